@@ -1,0 +1,20 @@
+"""eqx_train: flax.training's toolkit for JAX + Equinox, as immutable, typed pytrees."""
+
+from . import common_utils as common_utils, lr_schedule as lr_schedule
+from .common_utils import (
+    get_metrics as get_metrics,
+    onehot as onehot,
+    shard as shard,
+    shard_prng_key as shard_prng_key,
+    stack_forest as stack_forest,
+)
+from .early_stopping import EarlyStopping as EarlyStopping
+from .lr_schedule import (
+    create_constant_learning_rate_schedule as create_constant_learning_rate_schedule,
+    create_cosine_learning_rate_schedule as create_cosine_learning_rate_schedule,
+    create_stepped_learning_rate_schedule as create_stepped_learning_rate_schedule,
+)
+from .train_state import TrainState as TrainState
+from .train_step import jit_step as jit_step
+
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""Pytree helpers shared by every module: key paths to names, array tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+KeyPath = tuple[Any, ...]
+
+
+def key_to_str(key: Any) -> str:
+    """One key-path entry as it appears in a dotted name (`dense`, `0`, `weight`)."""
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_to_name(path: Sequence[Any]) -> str:
+    """A key path joined by dots: `params.dense.kernel`, `opt_state.1.mu`. The root is `<root>`."""
+    if len(path) == 0:
+        return "<root>"
+    return ".".join(key_to_str(k) for k in path)
+
+
+def is_array(x: Any) -> bool:
+    """True for JAX arrays and NumPy arrays/scalars (the leaves we move, save and stack)."""
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def leaves_with_names(
+    tree: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[tuple[str, Any]], Any]:
+    """Flatten `tree` into `(dotted name, leaf)` pairs and its treedef."""
+    pairs, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(path_to_name(path), leaf) for path, leaf in pairs], treedef
+
+
+def map_arrays_with_path(fn: Callable[[str, Any], Any], tree: Any) -> Any:
+    """Apply `fn(name, leaf)` to every array leaf; every other leaf is returned unchanged."""
+
+    def visit(path: KeyPath, leaf: Any) -> Any:
+        return fn(path_to_name(path), leaf) if is_array(leaf) else leaf
+
+    return jtu.tree_map_with_path(visit, tree)

@@ -1,0 +1,178 @@
+"""Helpers for pmap-style data parallelism: `shard`, `shard_prng_key`, `stack_forest`,
+`get_metrics`, `onehot` (the `flax.training.common_utils` API)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
+
+from ._tree import is_array, map_arrays_with_path, path_to_name
+
+__all__ = ["get_metrics", "onehot", "shard", "shard_prng_key", "stack_forest"]
+
+
+def shard(xs: PyTree, num_devices: int | None = None) -> PyTree:
+    """Splits the leading (batch) axis of every array leaf into `(devices, batch // devices)`.
+
+    **Arguments:**
+
+    - `xs`: a pytree whose array leaves share a leading batch axis. Non-array leaves
+      (strings, functions inside an Equinox module, `None`) are returned unchanged.
+    - `num_devices`: how many shards; `jax.local_device_count()` by default (as flax).
+
+    **Returns:**
+
+    The same pytree with each array reshaped to `(num_devices, -1, *rest)`, ready for
+    `jax.pmap`. Arrays stay where they are (no transfer); NumPy stays NumPy.
+
+    **Raises:**
+
+    `ValueError` naming the leaf path and both sizes when a batch does not divide evenly or a
+    leaf has no batch axis (flax raises an anonymous reshape error).
+    """
+    count = jax.local_device_count() if num_devices is None else num_devices
+
+    def reshape(name: str, x: Any) -> Any:
+        if np.ndim(x) == 0:
+            raise ValueError(
+                f"shard: leaf '{name}' is a scalar; every array leaf needs a leading batch axis "
+                f"to split over {count} devices."
+            )
+        batch = x.shape[0]
+        if batch % count:
+            raise ValueError(
+                f"shard: leaf '{name}' has batch size {batch}, which is not divisible by the "
+                f"device count {count}. Pad the batch (see pad_shard_unpad) or drop the remainder."
+            )
+        return x.reshape((count, batch // count, *x.shape[1:]))
+
+    return map_arrays_with_path(reshape, xs)
+
+
+def shard_prng_key(prng_key: Key[Array, ""] | ArrayLike, num_devices: int | None = None) -> Array:
+    """Splits a PRNG key into one key per local device, for a pmapped function.
+
+    **Arguments:**
+
+    - `prng_key`: a typed key (`jax.random.key`) or a raw `uint32[2]` key (`PRNGKey`).
+    - `num_devices`: how many keys; `jax.local_device_count()` by default.
+
+    **Returns:**
+
+    Keys of the same kind with a leading axis of length `num_devices`
+    (`jax.random.split(prng_key, num_devices)`, exactly as flax).
+    """
+    count = jax.local_device_count() if num_devices is None else num_devices
+    return jax.random.split(jnp.asarray(prng_key), num=count)
+
+
+def stack_forest(forest: Sequence[PyTree]) -> PyTree:
+    """Stacks a sequence of same-structured pytrees into one pytree of stacked leaves.
+
+    **Arguments:**
+
+    - `forest`: a non-empty sequence of pytrees with the same structure and, leaf by leaf,
+      the same shapes. Non-array leaves must be equal across the forest and are kept once.
+
+    **Returns:**
+
+    One pytree whose array leaves have a new leading axis of length `len(forest)`. NumPy
+    leaves stack to NumPy (no device transfer), JAX leaves to JAX arrays.
+    """
+    trees = list(forest)
+    if not trees:
+        raise ValueError("stack_forest: the forest is empty; there is nothing to stack.")
+    first_structure = jax.tree.structure(trees[0])
+    for i, tree in enumerate(trees[1:], start=1):
+        if jax.tree.structure(tree) != first_structure:
+            raise ValueError(
+                f"stack_forest: tree {i} has structure {jax.tree.structure(tree)}, but tree 0 "
+                f"has {first_structure}."
+            )
+    paths_and_leaves = [jtu.tree_flatten_with_path(tree)[0] for tree in trees]
+    stacked = []
+    for j, (path, first) in enumerate(paths_and_leaves[0]):
+        column = [leaves[j][1] for leaves in paths_and_leaves]
+        name = path_to_name(path)
+        if is_array(first) or isinstance(first, int | float | complex | bool):
+            shapes = {np.shape(leaf) for leaf in column}
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"stack_forest: leaf '{name}' has different shapes across the forest: "
+                    f"{sorted(shapes)}."
+                )
+            if all(isinstance(leaf, jax.Array) for leaf in column):
+                stacked.append(jnp.stack(column))
+            else:
+                stacked.append(np.stack([np.asarray(leaf) for leaf in column]))
+        else:
+            if any(leaf is not first and leaf != first for leaf in column[1:]):
+                raise ValueError(
+                    f"stack_forest: non-array leaf '{name}' differs across the forest "
+                    f"(first is {first!r}); only array leaves can be stacked."
+                )
+            stacked.append(first)
+    return jax.tree.unflatten(first_structure, stacked)
+
+
+def _first_replica(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        shard0 = x.addressable_shards[0]
+        if x.ndim > 0 and shard0.data.shape[:1] == (1,) and shard0.index[0] == slice(0, 1, None):
+            return np.asarray(shard0.data)[0]
+        return np.asarray(x[0])
+    return np.asarray(x)[0]
+
+
+def get_metrics(device_metrics: Sequence[PyTree]) -> PyTree:
+    """Gathers per-step, replicated device metrics into host NumPy arrays stacked over time.
+
+    **Arguments:**
+
+    - `device_metrics`: a sequence (one entry per step) of pytrees whose array leaves have a
+      leading device axis, as returned by a pmapped step.
+
+    **Returns:**
+
+    A pytree of NumPy arrays with leading axis `len(device_metrics)`, holding the first
+    replica of each step's metrics. The first replica is read from the device that holds it,
+    without gathering the others.
+
+    !!! note "Differences from flax"
+        flax's docstring promises host arrays but returns `jax.Array`s; these are NumPy.
+    """
+    host = [
+        jtu.tree_map(lambda x: _first_replica(x) if is_array(x) else x, step)
+        for step in device_metrics
+    ]
+    return stack_forest(host)
+
+
+def onehot(
+    labels: Int[ArrayLike, "..."],
+    num_classes: int,
+    on_value: float = 1.0,
+    off_value: float = 0.0,
+) -> Float[Array, "... num_classes"]:
+    """Returns the one-hot encoding of integer `labels` along a new last axis (float32).
+
+    **Arguments:**
+
+    - `labels`: an integer array of any shape.
+    - `num_classes`: length of the new axis; labels outside `[0, num_classes)` give a row of
+      `off_value`.
+    - `on_value`, `off_value`: the values written (1.0 and 0.0 by default).
+
+    **Returns:**
+
+    A float32 array of shape `labels.shape + (num_classes,)`, as flax's `onehot`. Jit-safe.
+    """
+    labels = jnp.asarray(labels)
+    hits = labels[..., None] == jnp.arange(num_classes).reshape((1,) * labels.ndim + (-1,))
+    return jnp.where(hits, on_value, off_value).astype(jnp.float32)

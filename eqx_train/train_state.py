@@ -1,0 +1,199 @@
+"""`TrainState`: step counter, model, optimiser state and optimiser as one Equinox module."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Self
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import optax
+from jaxtyping import Array, Int, PyTree
+
+from ._tree import leaves_with_names
+
+__all__ = ["TrainState"]
+
+
+def _describe_mismatch(grads: PyTree, params: PyTree) -> str:
+    grad_names = {name for name, _ in leaves_with_names(grads)[0]}
+    param_names = {name for name, _ in leaves_with_names(params)[0]}
+    missing = sorted(param_names - grad_names)
+    extra = sorted(grad_names - param_names)
+    parts = []
+    if missing:
+        parts.append(f"no gradient for trainable leaves {missing}")
+    if extra:
+        parts.append(f"gradients for leaves that are not trainable {extra}")
+    if not parts:
+        parts.append(
+            f"the trees differ in structure: grads {jax.tree.structure(grads)} "
+            f"vs trainable params {jax.tree.structure(params)}"
+        )
+    return "; ".join(parts)
+
+
+def _check_tx_and_filter(tx: Any, trainable: Any) -> None:
+    if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
+        raise TypeError(
+            "TrainState: `tx` must be an optax.GradientTransformation (with `init` and "
+            f"`update`), got {type(tx).__name__} {tx!r}."
+        )
+    if not callable(trainable):
+        raise TypeError(
+            f"TrainState: `trainable` must be a filter function leaf -> bool, got {trainable!r}."
+        )
+
+
+class TrainState(eqx.Module):
+    """A training state for the common case of one model and one Optax optimiser.
+
+    The Equinox counterpart of `flax.training.train_state.TrainState`. It is a pytree, so it
+    passes through `eqx.filter_jit`, `jax.lax.scan` and checkpoints as one object, and every
+    number in it is an array, so a jitted training step compiles once.
+
+    **Fields:**
+
+    - `step`: int32 scalar array, 0 at creation, incremented by `apply_gradients`.
+    - `model`: any pytree: a params dict, or an Equinox model that also holds non-array leaves
+      such as activation functions.
+    - `opt_state`: the state of `tx`, initialised on the trainable leaves of `model`.
+    - `tx`: the `optax.GradientTransformation` (a static field).
+    - `trainable`: a filter function choosing the leaves that `tx` updates (a static field;
+      `eqx.is_inexact_array` by default, so integer buffers and functions are left alone).
+
+    **Example:**
+
+    ```python
+    state = TrainState.create(model=eqx.nn.MLP(2, 2, 32, 2, key=key), tx=optax.adam(1e-3))
+
+    @eqx.filter_jit
+    def train_step(state, x, y):
+        grads = eqx.filter_grad(loss_fn)(state.model, x, y)
+        return state.apply_gradients(grads=grads)
+    ```
+
+    **Subclassing:** add fields for anything else the loop carries (batch statistics, an EMA
+    copy of the model) and pass them to `create` as keyword arguments:
+
+    ```python
+    class EMATrainState(TrainState):
+        ema_model: PyTree
+
+    state = EMATrainState.create(model=model, tx=tx, ema_model=model)
+    state = state.apply_gradients(grads=grads, ema_model=new_ema)
+    ```
+
+    !!! note "Differences from flax"
+        There is no `apply_fn`: an Equinox model is callable. `params` is kept as a read-only
+        alias of `model`. `step` is an int32 array rather than a Python int, so `filter_jit`
+        does not retrace every step.
+    """
+
+    step: Int[Array, ""]
+    model: PyTree
+    opt_state: PyTree
+    tx: optax.GradientTransformation = eqx.field(static=True)
+    trainable: Callable[[Any], bool] = eqx.field(static=True)
+
+    def __check_init__(self) -> None:
+        _check_tx_and_filter(self.tx, self.trainable)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: PyTree,
+        tx: optax.GradientTransformation,
+        trainable: Callable[[Any], bool] = eqx.is_inexact_array,
+        **kwargs: Any,
+    ) -> Self:
+        """Returns a new state with `step=0` and `opt_state = tx.init(trainable leaves)`.
+
+        **Arguments:**
+
+        - `model`: the params pytree or Equinox model to train.
+        - `tx`: the Optax optimiser.
+        - `trainable`: filter choosing which leaves `tx` sees (default `eqx.is_inexact_array`).
+        - `**kwargs`: values for the extra fields of a subclass.
+
+        **Returns:**
+
+        A `TrainState` (or the subclass `create` was called on).
+        """
+        _check_tx_and_filter(tx, trainable)
+        opt_state = tx.init(eqx.filter(model, trainable))
+        return cls(
+            step=jnp.asarray(0, dtype=jnp.int32),
+            model=model,
+            opt_state=opt_state,
+            tx=tx,
+            trainable=trainable,
+            **kwargs,
+        )
+
+    @property
+    def params(self) -> PyTree:
+        """The model, under the name flax users know (`state.params`)."""
+        return self.model
+
+    def apply_gradients(self, *, grads: PyTree, **kwargs: Any) -> Self:
+        """Returns a new state with `tx` applied to `grads` and `step + 1`.
+
+        Runs `tx.update(grads, opt_state, params)` then `optax.apply_updates`, exactly as flax
+        does, on the trainable leaves only; the other leaves of `model` are carried over.
+
+        **Arguments:**
+
+        - `grads`: gradients shaped like `model`: the output of `jax.grad` on a params dict,
+          or of `eqx.filter_grad` on an Equinox model (with `None` at non-array leaves).
+          Gradients at leaves that `trainable` rejects are ignored.
+        - `**kwargs`: other fields to replace in the new state (e.g. a subclass's
+          `batch_stats`).
+
+        **Returns:**
+
+        The updated state. Pure and jit-safe: nothing is mutated.
+        """
+        mask = jtu.tree_map(self.trainable, self.model)
+        params, frozen = eqx.partition(self.model, mask)
+        try:
+            trainable_grads = eqx.filter(grads, mask)
+        except ValueError:
+            raise ValueError(
+                "TrainState.apply_gradients: `grads` does not have the structure of `model`: "
+                f"{_describe_mismatch(eqx.filter(grads, eqx.is_array), params)}."
+            ) from None
+        if jax.tree.structure(trainable_grads) != jax.tree.structure(params):
+            raise ValueError(
+                "TrainState.apply_gradients: `grads` does not match the trainable leaves of "
+                f"`model`: {_describe_mismatch(trainable_grads, params)}."
+            )
+        updates, new_opt_state = self.tx.update(trainable_grads, self.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        new_model = eqx.combine(new_params, frozen)
+        names = ("step", "model", "opt_state", *kwargs)
+        values = (self.step + 1, new_model, new_opt_state, *kwargs.values())
+        return _replace(self, names, values)
+
+
+def _replace(module: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """A copy of `module` with fields `names` set to `values`.
+
+    Bypasses `__init__` (a subclass may define its own with another signature) the way
+    `dataclasses.replace` cannot; the module stays immutable to everyone else.
+    """
+    fields = [f.name for f in dataclasses.fields(module)]
+    unknown = [n for n in names if n not in fields]
+    if unknown:
+        raise TypeError(
+            f"{type(module).__name__} has no field(s) {unknown}; its fields are {fields}."
+        )
+    updates = dict(zip(names, values, strict=True))
+    new = object.__new__(type(module))
+    for name in fields:
+        object.__setattr__(new, name, updates.get(name, getattr(module, name)))
+    return new
