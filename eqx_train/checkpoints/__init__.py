@@ -1,0 +1,21 @@
+"""Crash-safe safetensors checkpoints with `flax.training.checkpoints`' API (single host)."""
+
+from ._async import AsyncManager as AsyncManager
+from ._checkpoints import (
+    available_steps as available_steps,
+    latest_checkpoint as latest_checkpoint,
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
+from ._format import CheckpointFormatError as CheckpointFormatError
+from ._legacy import convert_pre_linen as convert_pre_linen
+
+__all__ = [
+    "AsyncManager",
+    "CheckpointFormatError",
+    "available_steps",
+    "convert_pre_linen",
+    "latest_checkpoint",
+    "restore_checkpoint",
+    "save_checkpoint",
+]

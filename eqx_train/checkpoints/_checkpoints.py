@@ -1,0 +1,383 @@
+"""save_checkpoint / restore_checkpoint / latest_checkpoint / available_steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from decimal import Decimal
+from typing import Any, TypeVar
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .._tree import path_to_name
+from . import _files, _format
+from ._async import AsyncManager
+
+T = TypeVar("T")
+_PARALLEL_MIN_BYTES = 16 << 20
+_MAX_LISTED_PROBLEMS = 20
+
+
+def _check_save_arguments(step: Any, keep: Any, keep_every_n_steps: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
+        raise TypeError(f"save_checkpoint: step must be an int or float, got {step!r}.")
+    if not math.isfinite(step):
+        raise ValueError(f"save_checkpoint: step must be finite, got {step!r}.")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint: keep must be an int >= 1, got {keep!r}.")
+    if keep_every_n_steps is not None and (
+        isinstance(keep_every_n_steps, bool)
+        or not isinstance(keep_every_n_steps, int | float)
+        or keep_every_n_steps <= 0
+    ):
+        raise ValueError(
+            f"save_checkpoint: keep_every_n_steps must be a positive number or None, got "
+            f"{keep_every_n_steps!r}."
+        )
+
+
+def _snapshot(tensor: _format.TensorLeaf) -> _format.TensorLeaf:
+    """The tensor with its value copied to host memory now."""
+    value = np.array(tensor.get(), copy=True)
+    return replace(tensor, get=lambda: value)
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any,
+    step: int | float,
+    prefix: str = "checkpoint_",
+    keep: int = 1,
+    overwrite: bool = False,
+    keep_every_n_steps: int | float | None = None,
+    async_manager: AsyncManager | None = None,
+) -> str:
+    """Saves `target` as `{ckpt_dir}/{prefix}{step}.safetensors` and prunes old checkpoints.
+
+    The file is a plain safetensors file (tensor names are the leaves' key paths joined by
+    `.`, e.g. `model.layers.0.weight`) that any safetensors reader opens; its metadata
+    describes the tree so that `restore_checkpoint(path, None)` can rebuild it. It is written
+    to a temporary file, fsynced, atomically renamed into place and the directory fsynced: a
+    crash at any moment leaves either the old set of checkpoints or the new one, never a
+    half-written file under a checkpoint name. Old files are deleted only afterwards.
+
+    **Arguments:**
+
+    - `ckpt_dir`: directory of the checkpoints (created if missing).
+    - `target`: any pytree: dicts/lists/tuples, Equinox modules, a `TrainState`. Array leaves
+      (JAX, NumPy, typed PRNG keys, Python and NumPy scalars) are saved bit-exactly in their
+      own dtype; strings are kept in the metadata; other leaves (functions, static fields) are
+      not saved and come back from the target on restore.
+    - `step`: an int or float; it orders the checkpoints numerically.
+    - `prefix`: file name prefix.
+    - `keep`: how many of the newest checkpoints to keep (>= 1).
+    - `overwrite`: if False, a `step` not newer than the latest checkpoint is an error. If
+      True, the file for `step` is replaced and every newer checkpoint removed (as flax).
+    - `keep_every_n_steps`: additionally keep older checkpoints spaced at least this many
+      steps apart, by flax's rule (see `docs/checkpoints.md`).
+    - `async_manager`: if given, snapshot `target` to host memory now and write in the
+      background; a later save waits for this one and raises its error.
+
+    **Returns:**
+
+    The path of the checkpoint file (being written, if `async_manager` is given).
+
+    **Raises:**
+
+    `ValueError` for a step that is not newer than the latest (without `overwrite`),
+    `TypeError` naming the leaf path for a dtype safetensors cannot hold, `OSError` when the
+    disk is full (previous checkpoints untouched, no temporary file left behind).
+    """
+    _check_save_arguments(step, keep, keep_every_n_steps)
+    ckpt_dir = os.fspath(ckpt_dir)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    if async_manager is not None:
+        async_manager.wait_previous_save()
+    description, tensors = _format.describe(target)
+    final_path = os.path.join(ckpt_dir, _files.checkpoint_name(prefix, step))
+    existing = _files.list_checkpoints(ckpt_dir, prefix)
+    new_value = Decimal(str(step))
+    if existing and not overwrite and new_value <= existing[-1][0]:
+        raise ValueError(
+            f"save_checkpoint: a checkpoint at step {existing[-1][1]} already exists in "
+            f"{ckpt_dir} and step {step} is not newer. Pass overwrite=True to replace it "
+            f"(this also deletes every newer checkpoint)."
+        )
+    metadata = {
+        "eqx_train.format": _format.FORMAT_NAME,
+        "eqx_train.format_version": str(_format.FORMAT_VERSION),
+        "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
+        "eqx_train.tree": json.dumps(description, separators=(",", ":")),
+    }
+    if async_manager is not None:
+        # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
+        tensors = [_snapshot(t) for t in tensors]
+    header = _format.encode_header(tensors, metadata)
+
+    def write(fd: int) -> None:
+        _format.write_all(fd, memoryview(header))
+        _format.write_tensors(fd, tensors)
+
+    def commit() -> None:
+        _files.atomic_write(final_path, write)
+        steps = [(value, text) for value, text, _ in _files.list_checkpoints(ckpt_dir, prefix)]
+        doomed: list[str] = []
+        if overwrite:
+            doomed += [text for value, text in steps if value > new_value]
+            steps = [(value, text) for value, text in steps if value <= new_value]
+        doomed += _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
+        _files.remove_files(
+            [os.path.join(ckpt_dir, f"{prefix}{text}{_files.SUFFIX}") for text in doomed]
+        )
+
+    if async_manager is not None:
+        async_manager.save_async(commit)
+    else:
+        commit()
+    return final_path
+
+
+def _all_checkpoints(ckpt_dir: str | os.PathLike[str], prefix: str) -> list[tuple[Any, str, str]]:
+    return _files.list_checkpoints(os.fspath(ckpt_dir), prefix)
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_") -> str | None:
+    """Returns the path of the checkpoint with the highest step in `ckpt_dir`, or None.
+
+    Steps compare numerically (`9 < 10`, `-1.0 < 0.5 < 1e5`); files that are not exactly
+    `{prefix}{number}.safetensors` (notes, temporary files) are ignored.
+    """
+    found = _all_checkpoints(ckpt_dir, prefix)
+    return found[-1][2] if found else None
+
+
+def available_steps(
+    ckpt_dir: str | os.PathLike[str],
+    prefix: str = "checkpoint_",
+    step_type: Callable[[str], Any] = int,
+) -> list[Any]:
+    """Returns the steps of all checkpoints in `ckpt_dir`, sorted numerically.
+
+    **Arguments:**
+
+    - `ckpt_dir`: the checkpoint directory (missing: `[]`).
+    - `prefix`: file name prefix.
+    - `step_type`: `int` (default) or `float`; an int step type on float-named files raises.
+    """
+    return [_files.parse_step(text, step_type) for _, text, _ in _all_checkpoints(ckpt_dir, prefix)]
+
+
+def _resolve_path(ckpt_dir: str, step: Any, prefix: str) -> str | None:
+    if os.path.isfile(ckpt_dir):
+        if step is not None:
+            raise ValueError(
+                f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a file; pass "
+                "the directory to choose a step."
+            )
+        return ckpt_dir
+    if not os.path.isdir(ckpt_dir):
+        return None
+    found = _files.list_checkpoints(ckpt_dir, prefix)
+    if step is None:
+        return found[-1][2] if found else None
+    wanted = Decimal(str(step))
+    for value, _, path in found:
+        if value == wanted:
+            return path
+    available = [text for _, text, _ in found]
+    raise ValueError(
+        f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
+        f"{ckpt_dir}; available steps: {available}."
+    )
+
+
+def _describe(shape: Any, dtype: Any) -> str:
+    return f"{tuple(shape)} {np.dtype(dtype)}"
+
+
+def _read_many(path: str, header: _format.Header, names: list[str], parallel: bool) -> dict:
+    infos = [header.tensors[n] for n in names]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        total = sum(i.nbytes for i in infos)
+        if parallel and len(infos) > 1 and total >= _PARALLEL_MIN_BYTES:
+            with ThreadPoolExecutor(max_workers=min(8, len(infos))) as pool:
+                arrays = list(pool.map(lambda i: _format.read_tensor(fd, i, path), infos))
+        else:
+            arrays = [_format.read_tensor(fd, i, path) for i in infos]
+    finally:
+        os.close(fd)
+    return dict(zip(names, arrays, strict=True))
+
+
+def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A foreign safetensors file (no tree description): nested dicts split on '.'."""
+    nested: dict[str, Any] = {}
+    for name, array in flat.items():
+        node = nested
+        *parents, last = name.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                return dict(flat)
+            node = child
+        if last in node:
+            return dict(flat)
+        node[last] = array
+    return nested
+
+
+class _Expected:
+    """What a target leaf expects from the file, and how to turn the array into the leaf."""
+
+    def __init__(self, leaf: Any):
+        self.leaf = leaf
+        if _format.is_prng_key(leaf):
+            data = jax.random.key_data(leaf)
+            self.shape, self.dtype = tuple(data.shape), np.dtype(data.dtype)
+        elif isinstance(leaf, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
+            self.shape, self.dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        elif isinstance(leaf, np.generic):
+            self.shape, self.dtype = (), np.dtype(leaf.dtype)
+        else:  # Python scalar: any numeric dtype of shape ()
+            self.shape, self.dtype = (), None
+
+    def matches(self, info: _format.TensorInfo) -> bool:
+        return info.shape == self.shape and (self.dtype is None or info.dtype == self.dtype)
+
+    def expectation(self) -> str:
+        return (
+            _describe(self.shape, self.dtype)
+            if self.dtype is not None
+            else (f"() {type(self.leaf).__name__}")
+        )
+
+    def build(self, array: np.ndarray) -> Any:
+        leaf = self.leaf
+        if _format.is_prng_key(leaf):
+            key = jax.random.wrap_key_data(array, impl=jax.random.key_impl(leaf))
+            return jax.device_put(key, leaf.sharding)
+        if isinstance(leaf, jax.Array):
+            return jax.device_put(array, leaf.sharding)
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            sharding = getattr(leaf, "sharding", None)
+            return (
+                jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+            )
+        if isinstance(leaf, np.ndarray):
+            return array
+        if isinstance(leaf, np.generic):
+            return array[()]
+        return type(leaf)(array.item())
+
+
+def _is_restorable(leaf: Any) -> bool:
+    return isinstance(
+        leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float
+    )
+
+
+def restore_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: T,
+    step: int | float | None = None,
+    prefix: str = "checkpoint_",
+    parallel: bool = True,
+    *,
+    strict: bool = True,
+) -> T:
+    """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
+
+    **Arguments:**
+
+    - `ckpt_dir`: a checkpoint file, or a directory (then the latest checkpoint, or `step`).
+    - `target`: a pytree to fill: dicts, Equinox modules, a `TrainState`... Array leaves are
+      read from the file by their key path; non-array leaves (activation functions, static
+      fields) are kept from `target`. `jax.Array` leaves come back with the target's sharding;
+      `jax.ShapeDtypeStruct` leaves become arrays of that shape, dtype and sharding; NumPy
+      leaves stay NumPy. With `target=None`, returns the saved tree as nested dicts, lists and
+      tuples of NumPy arrays (Equinox modules and other nodes as dicts of their fields).
+    - `step`: the step to restore from a directory; `None` for the latest.
+    - `prefix`: file name prefix.
+    - `parallel`: read large tensors with several threads.
+    - `strict`: if True (default), every array leaf of `target` must be in the file with the
+      same shape and dtype, and the file must hold nothing else. With `strict=False`, leaves
+      missing from the file keep the target's value and extra tensors are ignored (shape and
+      dtype must still match).
+
+    **Returns:**
+
+    The restored pytree. If `ckpt_dir` does not exist, or holds no checkpoint and `step` is
+    None, `target` is returned unchanged (as flax does).
+
+    **Raises:**
+
+    `ValueError` for a missing `step` (naming the available ones) and for a file that does
+    not match `target` (listing each path with what the file has and what the target
+    expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated or
+    corrupt. Only the tensors the target needs are read from disk.
+    """
+    path = _resolve_path(os.fspath(ckpt_dir), step, prefix)
+    if path is None:
+        return target
+    header = _format.read_header(path)
+    description = header.description
+    if target is None:
+        names = list(header.tensors)
+        arrays = _read_many(path, header, names, parallel)
+        if description is None:
+            return _unflatten_names(arrays)  # type: ignore[return-value]
+        return _format.rebuild(description, arrays.__getitem__)
+
+    pairs, treedef = jtu.tree_flatten_with_path(target)
+    slots: list[tuple[int, str, _Expected]] = []
+    problems: list[str] = []
+    mismatched: set[str] = set()
+    for index, (key_path, leaf) in enumerate(pairs):
+        if not _is_restorable(leaf):
+            continue
+        name = path_to_name(key_path)
+        expected = _Expected(leaf)
+        info = header.tensors.get(name)
+        if info is None:
+            if strict:
+                problems.append(
+                    f"'{name}': missing from the file, target expects {expected.expectation()}"
+                )
+            continue
+        if not expected.matches(info):
+            mismatched.add(name)
+            problems.append(
+                f"'{name}': file has {_describe(info.shape, info.dtype)}, target expects "
+                f"{expected.expectation()}"
+            )
+            continue
+        slots.append((index, name, expected))
+    if strict:
+        used = {name for _, name, _ in slots} | mismatched
+        for name, info in header.tensors.items():
+            if name not in used:
+                problems.append(
+                    f"'{name}': in the file as {_describe(info.shape, info.dtype)}, not in the "
+                    "target"
+                )
+    if problems:
+        listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
+        more = len(problems) - _MAX_LISTED_PROBLEMS
+        listed += f"\n  ... and {more} more" if more > 0 else ""
+        raise ValueError(
+            f"restore_checkpoint: {path} does not match the target:\n  {listed}\n"
+            "Pass target=None to load the file as saved"
+            + (", or strict=False to restore only the leaves present in both." if strict else ".")
+        )
+    arrays = _read_many(path, header, [name for _, name, _ in slots], parallel)
+    leaves = [leaf for _, leaf in pairs]
+    for index, name, expected in slots:
+        leaves[index] = expected.build(arrays[name])
+    return jtu.tree_unflatten(treedef, leaves)

@@ -1,0 +1,130 @@
+"""Checkpoint files on disk: naming, listing in numeric order, retention, atomic writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import uuid
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+SUFFIX = ".safetensors"
+_STEP_RE = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_TEMP_MARK = ".tmp-"
+
+
+def checkpoint_name(prefix: str, step: int | float) -> str:
+    return f"{prefix}{step}{SUFFIX}"
+
+
+def _pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"{re.escape(prefix)}(?P<step>{_STEP_RE}){re.escape(SUFFIX)}")
+
+
+def list_checkpoints(ckpt_dir: str, prefix: str) -> list[tuple[Decimal, str, str]]:
+    """`(numeric step, step text, path)` of every checkpoint file, oldest step first.
+
+    Only names of the exact form `{prefix}{number}.safetensors` count, so notes, temporary
+    files and other prefixes in the same directory are ignored. The order is numeric (Decimal,
+    exact for huge ints and for floats), never lexicographic.
+    """
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    pattern = _pattern(prefix)
+    found = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None:
+            continue
+        text = match.group("step")
+        try:
+            value = Decimal(text)
+        except InvalidOperation:  # pragma: no cover - the regex admits only numbers
+            continue
+        found.append((value, text, os.path.join(ckpt_dir, name)))
+    found.sort(key=lambda entry: (entry[0], entry[1]))
+    return found
+
+
+def parse_step(text: str, step_type: Callable[[str], Any]) -> Any:
+    if step_type is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(
+                f"checkpoint step '{text}' is not an integer; pass step_type=float."
+            ) from None
+    return step_type(text)
+
+
+def steps_to_delete(
+    steps: list[tuple[Decimal, str]],
+    *,
+    keep: int,
+    keep_every_n_steps: int | float | None,
+) -> list[str]:
+    """flax's retention rule: which of `steps` (oldest first) to delete.
+
+    The newest `keep` are kept. Walking the older ones from the oldest, a step is also kept
+    when `keep_every_n_steps` is set and the step is at least that far past the last step kept
+    this way (starting from -inf). As in flax, step 0 is never kept by that second rule.
+    """
+    if len(steps) <= keep:
+        return []
+    doomed = []
+    last_kept = Decimal("-Infinity")
+    for value, text in steps[: len(steps) - keep]:
+        if keep_every_n_steps and value and value - last_kept >= Decimal(str(keep_every_n_steps)):
+            last_kept = value
+            continue
+        doomed.append(text)
+    return doomed
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(final_path: str) -> str:
+    """A unique temporary name next to `final_path` that never matches a checkpoint name."""
+    directory, name = os.path.split(final_path)
+    return os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def is_temp_name(name: str, prefix: str) -> bool:
+    return name.startswith(f".{prefix}") and _TEMP_MARK in name
+
+
+def atomic_write(final_path: str, write: Callable[[int], None]) -> None:
+    """Runs `write(fd)` on a temporary file, fsyncs it, renames it to `final_path`, fsyncs the
+    directory. On any error the temporary file is removed and the previous files are untouched.
+    """
+    directory = os.path.dirname(final_path) or "."
+    temp_path = temp_path_for(final_path)
+    fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp_path, final_path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp_path)
+        raise
+    fsync_dir(directory)
+
+
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
