@@ -12,6 +12,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -261,7 +262,7 @@ class _Expected:
     def build(self, array: np.ndarray) -> Any:
         leaf = self.leaf
         if _format.is_prng_key(leaf):
-            key = jax.random.wrap_key_data(array, impl=jax.random.key_impl(leaf))
+            key = jax.random.wrap_key_data(jnp.asarray(array), impl=jax.random.key_impl(leaf))
             return jax.device_put(key, leaf.sharding)
         if isinstance(leaf, jax.Array):
             return jax.device_put(array, leaf.sharding)
@@ -327,13 +328,12 @@ def restore_checkpoint(
     if path is None:
         return target
     header = _format.read_header(path)
-    description = header.description
     if target is None:
         names = list(header.tensors)
         arrays = _read_many(path, header, names, parallel)
-        if description is None:
+        if not header.has_description:
             return _unflatten_names(arrays)  # type: ignore[return-value]
-        return _format.rebuild(description, arrays.__getitem__)
+        return _format.rebuild(header.description, arrays.__getitem__)
 
     pairs, treedef = jtu.tree_flatten_with_path(target)
     slots: list[tuple[int, str, _Expected]] = []

@@ -85,7 +85,7 @@ class TensorLeaf:
 
 
 def is_prng_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
@@ -194,7 +194,7 @@ def rebuild(description: Any, load: Callable[[str], np.ndarray]) -> Any:
             array = load(d["tensor"])
             kind = d.get("kind", "array")
             if kind == "prng_key":
-                return jax.random.wrap_key_data(array, impl=d["impl"])
+                return jax.random.wrap_key_data(jnp.asarray(array), impl=d["impl"])
             if kind in ("int", "float", "bool"):
                 return {"int": int, "float": float, "bool": bool}[kind](array.item())
             if kind == "numpy_scalar":
@@ -261,9 +261,13 @@ class Header:
         return None if raw is None else json.loads(raw)
 
     @property
-    def description(self) -> Any | None:
-        raw = self.metadata.get("eqx_train.tree")
-        return None if raw is None else json.loads(raw)
+    def has_description(self) -> bool:
+        """False for a safetensors file written by another tool (no tree description)."""
+        return "eqx_train.tree" in self.metadata
+
+    @property
+    def description(self) -> Any:
+        return json.loads(self.metadata["eqx_train.tree"])
 
 
 def encode_header(tensors: Sequence[TensorLeaf], metadata: dict[str, str]) -> bytes:
@@ -359,7 +363,7 @@ def read_header(path: str) -> Header:
 
 def _as_bytes(array: np.ndarray) -> memoryview:
     flat = np.ascontiguousarray(array).reshape(-1)
-    return memoryview(flat.view(np.uint8))
+    return flat.view(np.uint8).data
 
 
 def write_all(fd: int, data: memoryview) -> None:

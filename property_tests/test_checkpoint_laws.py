@@ -1,0 +1,100 @@
+"""Checkpoint laws: restore(save(t)) == t bit for bit; retention == flax's for any history."""
+
+import os
+import tempfile
+
+import equinox as eqx
+import jax
+import numpy as np
+from flax.training import checkpoints as flax_checkpoints
+from hypothesis import given, strategies as st
+
+from eqx_train import checkpoints
+from property_tests.strategies import RandomModule, pytrees
+from tests.helpers import assert_trees_equal
+
+
+def _as_saved(tree):
+    """What target=None gives back: modules become dicts of fields, functions become None."""
+    if isinstance(tree, RandomModule):
+        return {
+            "weight": _as_saved(tree.weight),
+            "children": _as_saved(tree.children),
+            "activation": None,
+        }
+    if isinstance(tree, dict):
+        return {k: _as_saved(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_as_saved(v) for v in tree)
+    return tree
+
+
+@given(tree=pytrees(), as_jax=st.booleans())
+def test_restore_save_is_identity_bit_for_bit(tree, as_jax):
+    if as_jax:
+        tree = jax.tree.map(lambda x: jax.numpy.asarray(x) if eqx.is_array(x) else x, tree)
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        checkpoints.save_checkpoint(ckpt_dir, tree, 1)
+        assert_trees_equal(checkpoints.restore_checkpoint(ckpt_dir, tree), tree)
+        as_saved = jax.tree.map(lambda x: np.asarray(x) if eqx.is_array(x) else x, _as_saved(tree))
+        assert_trees_equal(checkpoints.restore_checkpoint(ckpt_dir, None), as_saved)
+
+
+@given(tree=pytrees())
+def test_restore_into_fresh_target_gives_saved_arrays_and_target_functions(tree):
+    blank = jax.tree.map(lambda x: np.zeros_like(x) if eqx.is_array(x) else x, tree)
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        checkpoints.save_checkpoint(ckpt_dir, tree, 1)
+        restored = checkpoints.restore_checkpoint(ckpt_dir, blank)
+    assert_trees_equal(eqx.filter(restored, eqx.is_array), eqx.filter(tree, eqx.is_array))
+    assert jax.tree.structure(restored) == jax.tree.structure(blank)
+
+
+history = st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=20)
+
+
+def _flax_apply(ckpt_dir, step, keep, keep_every_n_steps, overwrite):
+    """flax's own retention code on empty files named as flax names them."""
+    path = os.path.join(ckpt_dir, f"checkpoint_{step}")
+    if not overwrite:
+        try:
+            flax_checkpoints._check_overwrite_error(
+                path + "tmp", path, os.path.join(ckpt_dir, "checkpoint_"), step
+            )
+        except Exception:
+            return False
+    open(path, "w").close()
+    flax_checkpoints._remove_invalid_ckpts(
+        path, os.path.join(ckpt_dir, "checkpoint_"), keep, overwrite, keep_every_n_steps, False
+    )
+    return True
+
+
+@given(
+    saves=history,
+    keep=st.integers(1, 4),
+    keep_every_n_steps=st.one_of(st.none(), st.integers(1, 6)),
+    float_steps=st.booleans(),
+)
+def test_retention_and_overwrite_match_flax(saves, keep, keep_every_n_steps, float_steps):
+    with tempfile.TemporaryDirectory() as ours, tempfile.TemporaryDirectory() as theirs:
+        for raw_step, overwrite in saves:
+            step = raw_step / 2 if float_steps else raw_step
+            accepted = _flax_apply(theirs, step, keep, keep_every_n_steps, overwrite)
+            try:
+                checkpoints.save_checkpoint(
+                    ours,
+                    {"s": np.asarray(step)},
+                    step,
+                    keep=keep,
+                    keep_every_n_steps=keep_every_n_steps,
+                    overwrite=overwrite,
+                )
+                we_accepted = True
+            except ValueError:
+                we_accepted = False
+            assert we_accepted == accepted
+            flax_steps = sorted(float(n[len("checkpoint_") :]) for n in os.listdir(theirs))
+            assert [float(s) for s in checkpoints.available_steps(ours, step_type=float)] == (
+                flax_steps
+            )
