@@ -80,8 +80,9 @@ def save_checkpoint(
     - `keep`: how many of the newest checkpoints to keep (>= 1).
     - `overwrite`: if False, a `step` not newer than the latest checkpoint is an error. If
       True, the file for `step` is replaced and every newer checkpoint removed (as flax).
-    - `keep_every_n_steps`: additionally keep older checkpoints spaced at least this many
-      steps apart, by flax's rule (see `docs/checkpoints.md`).
+    - `keep_every_n_steps`: additionally keep older checkpoints, by flax's rule: walking the
+      checkpoints older than the newest `keep` from the oldest, keep a step when it is at
+      least this many steps past the last step kept this way (step 0 is never kept by it).
     - `async_manager`: if given, snapshot `target` to host memory now and write in the
       background; a later save waits for this one and raises its error.
 
