@@ -1,0 +1,270 @@
+"""Checkpoint save/restore speed and memory: eqx_train vs raw I/O, safetensors, flax, equinox.
+
+For a 256 MiB and a 1 GiB tree (16 and 32 float32 leaves of JAX arrays, pre-touched), in one
+process: raw NumPy write+fsync / read of the same bytes (the physical reference),
+`safetensors.numpy` save/load, flax's msgpack checkpoints, `eqx.tree_serialise_leaves`, and
+eqx_train. Each save ends with the data durable (fsync) where the library does so; restores
+read a file just written (page cache). Peak extra memory while saving is sampled from RSS.
+Also measures restoring one leaf of the 1 GiB checkpoint.
+
+    python benchmarks/checkpoints.py [--sizes 256 1024] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from _timing import print_table  # noqa: E402
+
+from eqx_train import checkpoints  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Samples RSS every millisecond while active; reports the peak above the start."""
+
+    def __enter__(self) -> PeakRSS:
+        self.start = rss_bytes()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def extra_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+
+def make_tree(total_mib: int, leaves: int) -> dict[str, jax.Array]:
+    per_leaf = total_mib * 2**20 // 4 // leaves
+    tree = {}
+    for i in range(leaves):
+        host = np.random.default_rng(i).standard_normal(per_leaf, dtype=np.float32)
+        tree[f"layer_{i:02d}"] = jax.device_put(host.reshape(-1, 1024))
+    jax.block_until_ready(tree)
+    return tree
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def raw_save(tree, directory):
+    path = os.path.join(directory, "raw.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for leaf in tree.values():
+            view = np.asarray(leaf).reshape(-1).view(np.uint8).data
+            while len(view):
+                view = view[os.write(fd, view[: 1 << 30]) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_restore(tree, directory):
+    out = {}
+    with open(os.path.join(directory, "raw.bin"), "rb", buffering=0) as f:
+        for name, leaf in tree.items():
+            array = np.empty(leaf.shape, np.float32)
+            f.readinto(array.reshape(-1).view(np.uint8).data)
+            out[name] = array
+    return out
+
+
+def safetensors_save(tree, directory):
+    from safetensors.numpy import save_file
+
+    path = os.path.join(directory, "st.safetensors")
+    save_file({k: np.asarray(v) for k, v in tree.items()}, path)
+    fsync_file(path)
+
+
+def safetensors_restore(tree, directory):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(directory, "st.safetensors"))
+
+
+def flax_save(tree, directory):
+    from flax import config as flax_config
+    from flax.training import checkpoints as flax_checkpoints
+
+    flax_config.update("flax_use_orbax_checkpointing", False)
+    flax_checkpoints.save_checkpoint(directory, tree, 0, overwrite=True)
+    fsync_file(os.path.join(directory, "checkpoint_0"))
+
+
+def flax_restore(tree, directory):
+    from flax.training import checkpoints as flax_checkpoints
+
+    return flax_checkpoints.restore_checkpoint(directory, tree)
+
+
+def equinox_save(tree, directory):
+    path = os.path.join(directory, "eqx.eqx")
+    eqx.tree_serialise_leaves(path, tree)
+    fsync_file(path)
+
+
+def equinox_restore(tree, directory):
+    return eqx.tree_deserialise_leaves(os.path.join(directory, "eqx.eqx"), tree)
+
+
+def ours_save(tree, directory):
+    checkpoints.save_checkpoint(directory, tree, 0, overwrite=True)
+
+
+def ours_restore(tree, directory):
+    return checkpoints.restore_checkpoint(directory, tree)
+
+
+METHODS = {
+    "raw write+fsync / read": (raw_save, raw_restore),
+    "safetensors.numpy": (safetensors_save, safetensors_restore),
+    "flax msgpack": (flax_save, flax_restore),
+    "equinox tree_serialise_leaves": (equinox_save, equinox_restore),
+    "eqx_train": (ours_save, ours_restore),
+}
+
+
+def measure(tree, base_dir: str, repeats: int) -> dict[str, dict[str, float]]:
+    """Runs every method once per repeat, rotating the order so that no method always meets
+    a cold allocator (first-touch page faults dominate fresh allocations on this machine)."""
+    names = list(METHODS)
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {"save_s": [], "restore_s": [], "save_extra_mib": []} for n in names
+    }
+    for repeat in range(repeats):
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        for name in order:
+            save, restore = METHODS[name]
+            directory = os.path.join(base_dir, name.split()[0])
+            drop_dir(directory)
+            os.sync()  # start from a clean disk: no earlier writeback lands in this fsync
+            with PeakRSS() as peak:
+                start = time.perf_counter()
+                save(tree, directory)
+                samples[name]["save_s"].append(time.perf_counter() - start)
+            samples[name]["save_extra_mib"].append(peak.extra_mib)
+            os.sync()
+            start = time.perf_counter()
+            restored = restore(tree, directory)
+            jax.block_until_ready(restored)
+            samples[name]["restore_s"].append(time.perf_counter() - start)
+            del restored
+            drop_dir(directory)
+    return {
+        name: {key: float(np.median(values)) for key, values in by_key.items()}
+        for name, by_key in samples.items()
+    }
+
+
+def one_leaf_restore(tree, base_dir: str) -> tuple[float, float]:
+    directory = os.path.join(base_dir, "one_leaf")
+    drop_dir(directory)
+    checkpoints.save_checkpoint(directory, tree, 0)
+    name = next(iter(tree))
+    target = {name: jax.ShapeDtypeStruct(tree[name].shape, tree[name].dtype)}
+    start = time.perf_counter()
+    jax.block_until_ready(checkpoints.restore_checkpoint(directory, target, strict=False))
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(checkpoints.restore_checkpoint(directory, tree))
+    return one, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="MiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    summary: dict[str, float] = {}
+    base_dir = tempfile.mkdtemp(prefix="eqx_train_bench_", dir=args.dir)
+    try:
+        for size in args.sizes:
+            leaves = 16 if size <= 256 else 32
+            tree = make_tree(size, leaves)
+            results = measure(tree, base_dir, args.repeats)
+            raw = results["raw write+fsync / read"]
+            rows = []
+            for name, r in results.items():
+                rows.append(
+                    [
+                        name,
+                        f"{r['save_s'] * 1e3:8.0f}",
+                        f"{r['save_s'] / raw['save_s']:5.2f}x",
+                        f"{r['restore_s'] * 1e3:8.0f}",
+                        f"{r['restore_s'] / raw['restore_s']:5.2f}x",
+                        f"{r['save_extra_mib']:7.0f}",
+                    ]
+                )
+            print_table(
+                f"{size} MiB tree, {leaves} float32 leaves, {jax.devices()[0].platform}, "
+                f"median of {args.repeats}",
+                ["method", "save ms", "vs raw", "restore ms", "vs raw", "save extra MiB"],
+                rows,
+            )
+            ours, flax = results["eqx_train"], results["flax msgpack"]
+            summary[f"save_vs_raw_{size}MiB"] = round(ours["save_s"] / raw["save_s"], 3)
+            summary[f"restore_vs_raw_{size}MiB"] = round(ours["restore_s"] / raw["restore_s"], 3)
+            summary[f"flax_save_vs_ours_{size}MiB"] = round(flax["save_s"] / ours["save_s"], 2)
+            summary[f"flax_restore_vs_ours_{size}MiB"] = round(
+                flax["restore_s"] / ours["restore_s"], 2
+            )
+            summary[f"save_extra_mib_{size}MiB"] = round(ours["save_extra_mib"], 1)
+            summary[f"flax_save_extra_mib_{size}MiB"] = round(flax["save_extra_mib"], 1)
+            if size == max(args.sizes):
+                one, full = one_leaf_restore(tree, base_dir)
+                print(
+                    f"\nrestore 1 of {leaves} leaves: {one * 1e3:.0f} ms; all: {full * 1e3:.0f} ms"
+                )
+                summary[f"one_leaf_vs_full_{size}MiB"] = round(one / full, 3)
+            del tree
+    finally:
+        shutil.rmtree(base_dir, ignore_errors=True)
+    print(json.dumps({"benchmark": "checkpoints", **summary}))
+
+
+if __name__ == "__main__":
+    main()
