@@ -36,8 +36,11 @@ __all__ = [
 
 _AXIS = "devices"
 
+#: `jax.Device` (pyright cannot use JAX's alias of it as a type).
+Device = Any
 
-def _device_axis_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
+
+def _device_axis_sharding(devices: Sequence[Device]) -> NamedSharding:
     """Leading axis split over `devices` in order: the layout `jax.pmap` expects."""
     mesh = Mesh(np.asarray(devices), (_AXIS,))
     return NamedSharding(mesh, PartitionSpec(_AXIS))
@@ -47,7 +50,7 @@ def _is_data(x: Any) -> bool:
     return is_array(x)
 
 
-def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
+def replicate(tree: PyTree, devices: Sequence[Device] | None = None) -> PyTree:
     """Returns `tree` with a leading device axis on every array leaf, one replica per device.
 
     The result is laid out as `jax.pmap` expects (replica `i` lives on `devices[i]`), so
@@ -129,7 +132,7 @@ def pmean(xs: PyTree, axis_name: Any) -> PyTree:
 def prefetch_to_device(
     iterator: Iterable[PyTree],
     size: int,
-    devices: Sequence[jax.Device] | jax.sharding.Sharding | None = None,
+    devices: Sequence[Device] | jax.sharding.Sharding | None = None,
 ) -> Iterator[PyTree]:
     """Yields the batches of `iterator` already placed on device, keeping `size` in flight.
 
@@ -264,7 +267,7 @@ def pad_shard_unpad(
             raise ValueError(
                 f"pad_shard_unpad: batch_axis {unknown} not in mesh axes {mesh.axis_names}."
             )
-        mesh_sharding = NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+        mesh_sharding = NamedSharding(mesh, PartitionSpec(tuple(axes)))
         mesh_devices = int(np.prod([mesh.shape[a] for a in axes]))
     else:
         mesh_sharding, mesh_devices = None, 0
