@@ -1,6 +1,11 @@
 """eqx_train: flax.training's toolkit for JAX + Equinox, as immutable, typed pytrees."""
 
-from . import common_utils as common_utils, lr_schedule as lr_schedule
+from . import (
+    checkpoints as checkpoints,
+    common_utils as common_utils,
+    jax_utils as jax_utils,
+    lr_schedule as lr_schedule,
+)
 from .common_utils import (
     get_metrics as get_metrics,
     onehot as onehot,
@@ -9,6 +14,14 @@ from .common_utils import (
     stack_forest as stack_forest,
 )
 from .early_stopping import EarlyStopping as EarlyStopping
+from .jax_utils import (
+    pad_shard_unpad as pad_shard_unpad,
+    partial_eval_by_shape as partial_eval_by_shape,
+    pmean as pmean,
+    prefetch_to_device as prefetch_to_device,
+    replicate as replicate,
+    unreplicate as unreplicate,
+)
 from .lr_schedule import (
     create_constant_learning_rate_schedule as create_constant_learning_rate_schedule,
     create_cosine_learning_rate_schedule as create_cosine_learning_rate_schedule,
