@@ -66,26 +66,82 @@ def replicate(tree: PyTree, devices: Sequence[Device] | None = None) -> PyTree:
 
     The pytree with each array leaf `x` replaced by a `jax.Array` of shape `(n, *x.shape)`.
 
-    Each leaf is transferred once to a replicated layout (one `jax.device_put` for the whole
-    tree), and the per-device buffers are assembled into the device-axis array without any
-    further copy, instead of stacking `n` host copies first as flax does.
+    The whole tree moves in one `jax.device_put` to a replicated layout whose per-device
+    buffers become the device-axis array without a further copy (flax first stacks `n` host
+    copies). On CPU devices, which share host memory, all replicas alias one read-only host
+    copy of each leaf.
     """
     devices = list(jax.local_devices() if devices is None else devices)
     if not devices:
         raise ValueError("replicate: `devices` is empty.")
     target = _device_axis_sharding(devices)
-    replicated = NamedSharding(target.mesh, PartitionSpec())
     leaves, treedef = jtu.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if _is_data(leaf)]
-    expanded = [leaves[i][None] for i in positions]
-    placed = jax.device_put(expanded, replicated)
-    order = {d: k for k, d in enumerate(devices)}
-    for i, array in zip(positions, placed, strict=True):
-        shards = sorted(array.addressable_shards, key=lambda s: order[s.device])
+    if all(d.platform == "cpu" for d in devices):
+        per_device = _replicate_on_cpu([leaves[i] for i in positions], devices)
+    else:
+        per_device = _replicate_by_transfer([leaves[i] for i in positions], devices, target)
+    for i, buffers in zip(positions, per_device, strict=True):
         leaves[i] = jax.make_array_from_single_device_arrays(
-            (len(devices), *array.shape[1:]), target, [s.data for s in shards]
+            (len(devices), *buffers[0].shape[1:]), target, buffers
         )
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def _replicate_by_transfer(
+    leaves: list[Any], devices: list[Device], target: NamedSharding
+) -> list[list[jax.Array]]:
+    """One `device_put` of the whole tree to a replicated layout; its per-device buffers
+    already have the `(1, *shape)` shape of a device-axis shard, so no further copy."""
+    replicated = NamedSharding(target.mesh, PartitionSpec())
+    placed = jax.device_put([leaf[None] for leaf in leaves], replicated)
+    order = {d: k for k, d in enumerate(devices)}
+    return [
+        [s.data for s in sorted(array.addressable_shards, key=lambda s: order[s.device])]
+        for array in placed
+    ]
+
+
+_XLA_ALIGNMENT = 64
+
+
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of `array` whose data starts on a 64-byte boundary (XLA only adopts such)."""
+    raw = np.empty(array.nbytes + _XLA_ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % _XLA_ALIGNMENT
+    out = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def _replicate_on_cpu(leaves: list[Any], devices: list[Device]) -> list[list[jax.Array]]:
+    """CPU devices share host memory: every device's buffer aliases one read-only host copy
+    (JAX adopts read-only, aligned NumPy memory without copying), so replicating costs one
+    copy instead of one per device. The copy also isolates the result from later mutation
+    of a NumPy input."""
+    hosts = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            hosts.append(leaf[None])  # key arrays have no NumPy view; transfer them normally
+            continue
+        host = np.asarray(leaf)[None]
+        if host.flags.writeable or host.ctypes.data % _XLA_ALIGNMENT:
+            host = _aligned_copy(host)
+            host.flags.writeable = False
+        hosts.append(host)
+    flat = jax.device_put([h for h in hosts for _ in devices], [d for _ in hosts for d in devices])
+    n = len(devices)
+    return [flat[k * n : (k + 1) * n] for k in range(len(hosts))]
+
+
+def _drop_leading_axis(data: jax.Array) -> jax.Array:
+    """`data[0]` for a single-device array of leading size 1, without a copy where possible."""
+    (device,) = data.devices()
+    if device.platform == "cpu" and not jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
+        # On CPU a read-only NumPy view of the buffer is adopted by device_put without a
+        # copy; JAX keeps the source alive (and declines to donate it) while the view lives.
+        return jax.device_put(np.asarray(data)[0], device)
+    return data.reshape(data.shape[1:])
 
 
 def _one_replica(x: Any) -> Any:
@@ -93,12 +149,11 @@ def _one_replica(x: Any) -> Any:
         return x[0] if isinstance(x, np.ndarray) and x.ndim else x
     if x.ndim == 0:
         return x
-    shard = x.addressable_shards[0]
-    data = shard.data
-    if x.sharding.is_fully_replicated:
-        return data[0]
+    data = x.addressable_shards[0].data
+    if x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1:
+        return data  # every device holds the whole array: it is one replica already (as flax)
     if data.shape[0] == 1:
-        return data[0]
+        return _drop_leading_axis(data)
     return x[0]
 
 
@@ -106,8 +161,10 @@ def unreplicate(tree: PyTree) -> PyTree:
     """Returns one replica of a replicated pytree: element 0 of every array leaf's first axis.
 
     The replica is read from the device that holds it (`addressable_shards[0]`), never via
-    `x[0]` on the global array, which would gather every replica first. Non-array leaves are
-    returned unchanged, 0-d arrays as they are (as flax does).
+    `x[0]` on the global array, which would gather every replica first; on CPU it is a
+    zero-copy view of that device's buffer. Non-array leaves are returned unchanged, 0-d
+    arrays as they are, and an array fully replicated over several devices is returned as
+    its first device's copy (all as flax does).
 
     **Arguments:**
 

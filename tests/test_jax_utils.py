@@ -325,3 +325,21 @@ def test_partial_eval_spec_forms():
         jax.ShapeDtypeStruct((3,), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.bool_),
     )
+
+
+def test_replicate_is_isolated_from_later_mutation_of_numpy_input():
+    array = np.arange(6.0)
+    replicated = jax_utils.replicate({"a": array})
+    array[:] = -1.0
+    np.testing.assert_array_equal(jax.device_get(replicated["a"]), np.tile(np.arange(6.0), (8, 1)))
+
+
+def test_replicated_state_survives_donating_pmap_steps():
+    replicated = jax_utils.replicate({"w": np.ones(1024, np.float32)})
+    kept = jax_utils.unreplicate(replicated)
+    step = jax.pmap(lambda s: {"w": s["w"] * 2}, donate_argnums=0)
+    state = replicated
+    for _ in range(3):
+        state = step(state)
+    np.testing.assert_array_equal(jax_utils.unreplicate(state)["w"], np.full(1024, 8.0))
+    np.testing.assert_array_equal(kept["w"], np.ones(1024))
