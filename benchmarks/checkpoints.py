@@ -150,6 +150,22 @@ def equinox_restore(tree, directory):
     return eqx.tree_deserialise_leaves(os.path.join(directory, "eqx.eqx"), tree)
 
 
+def orbax_save(tree, directory):
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(os.path.abspath(directory), "orbax"), tree)
+    checkpointer.wait_until_finished()
+
+
+def orbax_restore(tree, directory):
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer().restore(
+        os.path.join(os.path.abspath(directory), "orbax"), tree
+    )
+
+
 def ours_save(tree, directory):
     checkpoints.save_checkpoint(directory, tree, 0, overwrite=True)
 
@@ -165,6 +181,12 @@ METHODS = {
     "equinox tree_serialise_leaves": (equinox_save, equinox_restore),
     "eqx_train": (ours_save, ours_restore),
 }
+try:
+    import orbax.checkpoint  # noqa: F401
+
+    METHODS["orbax StandardCheckpointer"] = (orbax_save, orbax_restore)
+except ImportError:  # optional: compared only where it installs
+    pass
 
 
 def measure(tree, base_dir: str, repeats: int) -> dict[str, dict[str, float]]:
@@ -252,6 +274,14 @@ def main() -> None:
             summary[f"flax_restore_vs_ours_{size}MiB"] = round(
                 flax["restore_s"] / ours["restore_s"], 2
             )
+            if "orbax StandardCheckpointer" in results:
+                orbax = results["orbax StandardCheckpointer"]
+                summary[f"orbax_save_vs_ours_{size}MiB"] = round(
+                    orbax["save_s"] / ours["save_s"], 2
+                )
+                summary[f"orbax_restore_vs_ours_{size}MiB"] = round(
+                    orbax["restore_s"] / ours["restore_s"], 2
+                )
             summary[f"save_extra_mib_{size}MiB"] = round(ours["save_extra_mib"], 1)
             summary[f"flax_save_extra_mib_{size}MiB"] = round(flax["save_extra_mib"], 1)
             if size == max(args.sizes):
