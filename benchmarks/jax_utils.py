@@ -29,9 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from eqx_train import jax_utils  # noqa: E402
 
 
-def timed(fn, repeats=15):
+def timed(fn, repeats=15, number=1):
     jax.block_until_ready(fn())
-    return median_seconds(lambda: jax.block_until_ready(fn()), repeats=repeats)
+    return median_seconds(lambda: jax.block_until_ready(fn()), repeats=repeats, number=number)
 
 
 def main() -> None:
@@ -68,13 +68,13 @@ def main() -> None:
     wrapped = jax_utils.pad_shard_unpad(forward)
     pad = {
         "pmap on pre-padded, pre-sharded batch": timed(
-            lambda: np.asarray(forward(w, padded)), repeats=25
+            lambda: np.asarray(forward(w, padded)), repeats=40, number=5
         ),
         "flax pad_shard_unpad(pmap), uneven batch": timed(
-            lambda: flax_jax_utils.pad_shard_unpad(forward)(w, uneven), repeats=25
+            lambda: flax_jax_utils.pad_shard_unpad(forward)(w, uneven), repeats=40, number=5
         ),
         "eqx_train pad_shard_unpad(pmap), uneven batch": timed(
-            lambda: wrapped(w, uneven), repeats=25
+            lambda: wrapped(w, uneven), repeats=40, number=5
         ),
     }
 

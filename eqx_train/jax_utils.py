@@ -134,17 +134,10 @@ def _replicate_on_cpu(leaves: list[Any], devices: list[Device]) -> list[list[jax
     return [flat[k * n : (k + 1) * n] for k in range(len(hosts))]
 
 
-def _drop_leading_axis(data: jax.Array) -> jax.Array:
-    """`data[0]` for a single-device array of leading size 1, without a copy where possible."""
-    (device,) = data.devices()
-    if device.platform == "cpu" and not jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
-        # On CPU a read-only NumPy view of the buffer is adopted by device_put without a
-        # copy; JAX keeps the source alive (and declines to donate it) while the view lives.
-        return jax.device_put(np.asarray(data)[0], device)
-    return data.reshape(data.shape[1:])
-
-
 def _one_replica(x: Any) -> Any:
+    """One replica of `x`, or `(host_view, device)` when it is best made by one batched
+    `device_put` (CPU: JAX adopts a read-only NumPy view of the buffer without copying, and
+    keeps the source alive, declining to donate it, while the view lives)."""
     if not isinstance(x, jax.Array):
         return x[0] if isinstance(x, np.ndarray) and x.ndim else x
     if x.ndim == 0:
@@ -152,9 +145,19 @@ def _one_replica(x: Any) -> Any:
     data = x.addressable_shards[0].data
     if x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1:
         return data  # every device holds the whole array: it is one replica already (as flax)
-    if data.shape[0] == 1:
-        return _drop_leading_axis(data)
-    return x[0]
+    if data.shape[0] != 1:
+        return x[0]
+    (device,) = data.devices()
+    if device.platform == "cpu" and not jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
+        return _Pending(np.asarray(data)[0], device)
+    return data.reshape(data.shape[1:])
+
+
+class _Pending(tuple):
+    """A host view waiting for the batched transfer in `unreplicate`."""
+
+    def __new__(cls, view: np.ndarray, device: Device) -> _Pending:
+        return super().__new__(cls, (view, device))
 
 
 def unreplicate(tree: PyTree) -> PyTree:
@@ -174,7 +177,14 @@ def unreplicate(tree: PyTree) -> PyTree:
 
     The pytree with each array leaf's leading device axis removed.
     """
-    return jtu.tree_map(_one_replica, tree)
+    leaves, treedef = jtu.tree_flatten(tree)
+    results = [_one_replica(leaf) for leaf in leaves]
+    pending = [i for i, r in enumerate(results) if isinstance(r, _Pending)]
+    if pending:
+        placed = jax.device_put([results[i][0] for i in pending], [results[i][1] for i in pending])
+        for i, array in zip(pending, placed, strict=True):
+            results[i] = array
+    return jtu.tree_unflatten(treedef, results)
 
 
 def pmean(xs: PyTree, axis_name: Any) -> PyTree:

@@ -36,31 +36,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "data-parallel over all local devices, with resumable checkpoints.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--workdir", default="workdir",
-                        help="where checkpoints and curves.png go; rerun with the same "
-                             "workdir to resume from its latest checkpoint")
+    parser.add_argument(
+        "--workdir",
+        default="workdir",
+        help="where checkpoints and curves.png go; rerun with the same "
+        "workdir to resume from its latest checkpoint",
+    )
     parser.add_argument("--epochs", type=int, default=30, help="maximum number of epochs")
-    parser.add_argument("--batch-size", type=int, default=128,
-                        help="global batch size, split evenly over the devices")
-    parser.add_argument("--learning-rate", type=float, default=3e-3,
-                        help="peak learning rate of the warm-up + cosine schedule")
-    parser.add_argument("--warmup-epochs", type=float, default=2.0,
-                        help="epochs of linear learning-rate warm-up")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="global batch size, split evenly over the devices",
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=3e-3,
+        help="peak learning rate of the warm-up + cosine schedule",
+    )
+    parser.add_argument(
+        "--warmup-epochs", type=float, default=2.0, help="epochs of linear learning-rate warm-up"
+    )
     parser.add_argument("--hidden", type=int, default=128, help="width of the hidden layers")
     parser.add_argument("--dropout", type=float, default=0.1, help="dropout rate")
-    parser.add_argument("--patience", type=int, default=5,
-                        help="early stopping: epochs without validation-loss improvement")
-    parser.add_argument("--min-delta", type=float, default=1e-4,
-                        help="early stopping: smallest validation-loss decrease that counts")
-    parser.add_argument("--eval-batch-size", type=int, default=100,
-                        help="rows per evaluation call (the last, smaller one is padded)")
+    parser.add_argument(
+        "--patience",
+        type=int,
+        default=5,
+        help="early stopping: epochs without validation-loss improvement",
+    )
+    parser.add_argument(
+        "--min-delta",
+        type=float,
+        default=1e-4,
+        help="early stopping: smallest validation-loss decrease that counts",
+    )
+    parser.add_argument(
+        "--eval-batch-size",
+        type=int,
+        default=100,
+        help="rows per evaluation call (the last, smaller one is padded)",
+    )
     parser.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep")
-    parser.add_argument("--keep-every", type=int, default=10,
-                        help="also keep every checkpoint this many epochs apart")
+    parser.add_argument(
+        "--keep-every",
+        type=int,
+        default=10,
+        help="also keep every checkpoint this many epochs apart",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for data order and model")
-    parser.add_argument("--stop-after", type=int, default=None,
-                        help="stop after this many epochs in this run, as if preempted "
-                             "(then rerun to resume)")
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop after this many epochs in this run, as if preempted (then rerun to resume)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser.parse_args(argv)
 
@@ -115,14 +146,18 @@ def main(argv: list[str] | None = None) -> float:
 
     # -- state: TrainState (model + optimiser) and EarlyStopping, both pytrees.
     schedule = eqx_train.create_cosine_learning_rate_schedule(
-        args.learning_rate, steps_per_epoch, halfcos_epochs=args.epochs,
+        args.learning_rate,
+        steps_per_epoch,
+        halfcos_epochs=args.epochs,
         warmup_length=args.warmup_epochs,
     )
     model = DigitsMLP(args.hidden, args.dropout, key=jax.random.key(args.seed))
     state = eqx_train.TrainState.create(model=model, tx=optax.adamw(schedule, weight_decay=1e-4))
     stopper = eqx_train.EarlyStopping(min_delta=args.min_delta, patience=args.patience)
-    history = {name: np.full(args.epochs, np.nan, np.float32)
-               for name in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")}
+    history = {
+        name: np.full(args.epochs, np.nan, np.float32)
+        for name in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")
+    }
     bundle = {"state": state, "stopper": stopper, "epoch": -1, "history": history}
 
     # -- resume: the latest checkpoint, restored into the structure of the fresh bundle.
@@ -160,10 +195,12 @@ def main(argv: list[str] | None = None) -> float:
     min_rows = -(-args.eval_batch_size // n_devices)
 
     def evaluate(replicated, x, y):
-        logits = np.concatenate([
-            p_predict(replicated, x[i : i + args.eval_batch_size], min_device_batch=min_rows)
-            for i in range(0, len(x), args.eval_batch_size)
-        ])
+        logits = np.concatenate(
+            [
+                p_predict(replicated, x[i : i + args.eval_batch_size], min_device_batch=min_rows)
+                for i in range(0, len(x), args.eval_batch_size)
+            ]
+        )
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         return float(loss), float(np.mean(logits.argmax(-1) == y))
 
@@ -180,8 +217,13 @@ def main(argv: list[str] | None = None) -> float:
             for idx in np.split(order[: steps_per_epoch * args.batch_size], steps_per_epoch)
         )
         step_metrics = []
-        with tqdm(total=steps_per_epoch, desc=f"epoch {epoch:2d}", leave=False,
-                  disable=args.no_progress, file=sys.stderr) as bar:
+        with tqdm(
+            total=steps_per_epoch,
+            desc=f"epoch {epoch:2d}",
+            leave=False,
+            disable=args.no_progress,
+            file=sys.stderr,
+        ) as bar:
             for i, batch in enumerate(eqx_train.prefetch_to_device(batches, size=2)):
                 step = epoch * steps_per_epoch + i
                 keys = eqx_train.shard_prng_key(jax.random.fold_in(base_key, step), n_devices)
@@ -190,21 +232,35 @@ def main(argv: list[str] | None = None) -> float:
                 bar.update(1)
                 if i % 4 == 3 or i == steps_per_epoch - 1:
                     last = eqx_train.unreplicate(metrics)
-                    bar.set_postfix(loss=f"{float(last['loss']):.3f}",
-                                    acc=f"{float(last['accuracy']):.3f}")
+                    bar.set_postfix(
+                        loss=f"{float(last['loss']):.3f}", acc=f"{float(last['accuracy']):.3f}"
+                    )
         train = {k: float(v.mean()) for k, v in eqx_train.get_metrics(step_metrics).items()}
         val_loss, val_accuracy = evaluate(replicated, x_val, y_val)
         stopper = stopper.update(val_loss)
-        for name, value in (("train_loss", train["loss"]), ("train_accuracy", train["accuracy"]),
-                            ("val_loss", val_loss), ("val_accuracy", val_accuracy)):
+        for name, value in (
+            ("train_loss", train["loss"]),
+            ("train_accuracy", train["accuracy"]),
+            ("val_loss", val_loss),
+            ("val_accuracy", val_accuracy),
+        ):
             history[name][epoch] = value
-        print(f"epoch {epoch:2d}: train loss {train['loss']:.4f} acc {train['accuracy']:.3f} | "
-              f"val loss {val_loss:.4f} acc {val_accuracy:.3f}", flush=True)
+        print(
+            f"epoch {epoch:2d}: train loss {train['loss']:.4f} acc {train['accuracy']:.3f} | "
+            f"val loss {val_loss:.4f} acc {val_accuracy:.3f}",
+            flush=True,
+        )
 
         state = eqx.combine(eqx_train.unreplicate(replicated), static)
         bundle = {"state": state, "stopper": stopper, "epoch": epoch, "history": history}
-        checkpoints.save_checkpoint(ckpt_dir, bundle, step=epoch, keep=args.keep,
-                                    keep_every_n_steps=args.keep_every, async_manager=manager)
+        checkpoints.save_checkpoint(
+            ckpt_dir,
+            bundle,
+            step=epoch,
+            keep=args.keep,
+            keep_every_n_steps=args.keep_every,
+            async_manager=manager,
+        )
         epochs_this_run += 1
         if args.stop_after is not None and epochs_this_run >= args.stop_after:
             manager.wait_previous_save()

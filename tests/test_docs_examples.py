@@ -8,7 +8,7 @@ import pytest
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
-@pytest.mark.parametrize("page", ["data_parallel.md", "index.md"])
+@pytest.mark.parametrize("page", ["data_parallel.md", "index.md", "checkpointing_recipes.md"])
 def test_python_blocks_run(page):
     text = (DOCS / page).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

@@ -11,16 +11,35 @@ import pytest
 from eqx_train import checkpoints
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
-FAST = ["--epochs", "3", "--hidden", "64", "--warmup-epochs", "0.5", "--learning-rate", "1e-2",
-        "--no-progress", "--keep", "2", "--keep-every", "2"]
+FAST = [
+    "--epochs",
+    "3",
+    "--hidden",
+    "64",
+    "--warmup-epochs",
+    "0.5",
+    "--learning-rate",
+    "1e-2",
+    "--no-progress",
+    "--keep",
+    "2",
+    "--keep-every",
+    "2",
+]
 
 
 def _run(workdir, *extra):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
     result = subprocess.run(
         [sys.executable, EXAMPLE, "--workdir", str(workdir), *FAST, *extra],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -55,8 +74,9 @@ def test_example_trains_plots_checkpoints_and_resumes_exactly(tmp_path):
     state_b, epoch_b = _final_arrays(resumed)
     assert epoch_a == epoch_b == 2
     for name in state_a["model"]["layers"][0]:
-        np.testing.assert_array_equal(state_a["model"]["layers"][0][name],
-                                      state_b["model"]["layers"][0][name])
+        np.testing.assert_array_equal(
+            state_a["model"]["layers"][0][name], state_b["model"]["layers"][0][name]
+        )
     flat_a = {k: v for k, v in _flatten(state_a)}
     flat_b = {k: v for k, v in _flatten(state_b)}
     assert flat_a.keys() == flat_b.keys()
@@ -76,10 +96,25 @@ def _flatten(tree, prefix=""):
 
 
 def test_help_explains_every_flag():
-    result = subprocess.run([sys.executable, EXAMPLE, "--help"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, EXAMPLE, "--help"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0
-    for flag in ("--workdir", "--epochs", "--batch-size", "--learning-rate", "--warmup-epochs",
-                 "--hidden", "--dropout", "--patience", "--min-delta", "--eval-batch-size",
-                 "--keep", "--keep-every", "--seed", "--stop-after", "--no-progress"):
+    for flag in (
+        "--workdir",
+        "--epochs",
+        "--batch-size",
+        "--learning-rate",
+        "--warmup-epochs",
+        "--hidden",
+        "--dropout",
+        "--patience",
+        "--min-delta",
+        "--eval-batch-size",
+        "--keep",
+        "--keep-every",
+        "--seed",
+        "--stop-after",
+        "--no-progress",
+    ):
         assert flag in result.stdout

@@ -9,10 +9,12 @@ from ._checkpoints import (
 )
 from ._format import CheckpointFormatError as CheckpointFormatError
 from ._legacy import convert_pre_linen as convert_pre_linen
+from ._manager import CheckpointManager as CheckpointManager
 
 __all__ = [
     "AsyncManager",
     "CheckpointFormatError",
+    "CheckpointManager",
     "available_steps",
     "convert_pre_linen",
     "latest_checkpoint",

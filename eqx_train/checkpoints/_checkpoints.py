@@ -97,6 +97,42 @@ def save_checkpoint(
     disk is full (previous checkpoints untouched, no temporary file left behind).
     """
     _check_save_arguments(step, keep, keep_every_n_steps)
+
+    def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
+        return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
+
+    return save_with_policy(
+        ckpt_dir,
+        target,
+        step,
+        prefix=prefix,
+        overwrite=overwrite,
+        retention=flax_retention,
+        async_manager=async_manager,
+        caller="save_checkpoint",
+    )
+
+
+Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
+
+
+def save_with_policy(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any,
+    step: int | float,
+    *,
+    prefix: str,
+    overwrite: bool,
+    retention: Retention,
+    async_manager: AsyncManager | None,
+    extra_metadata: dict[str, str] | None = None,
+    caller: str,
+) -> str:
+    """The save path shared by `save_checkpoint` and `CheckpointManager`.
+
+    Writes the file atomically, then (after it is durable) removes newer steps when
+    `overwrite`, and the steps `retention(steps_oldest_first)` names.
+    """
     ckpt_dir = os.fspath(ckpt_dir)
     os.makedirs(ckpt_dir, exist_ok=True)
     if async_manager is not None:
@@ -107,7 +143,7 @@ def save_checkpoint(
     new_value = Decimal(str(step))
     if existing and not overwrite and new_value <= existing[-1][0]:
         raise ValueError(
-            f"save_checkpoint: a checkpoint at step {existing[-1][1]} already exists in "
+            f"{caller}: a checkpoint at step {existing[-1][1]} already exists in "
             f"{ckpt_dir} and step {step} is not newer. Pass overwrite=True to replace it "
             f"(this also deletes every newer checkpoint)."
         )
@@ -116,6 +152,7 @@ def save_checkpoint(
         "eqx_train.format_version": str(_format.FORMAT_VERSION),
         "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
         "eqx_train.tree": json.dumps(description, separators=(",", ":")),
+        **(extra_metadata or {}),
     }
     if async_manager is not None:
         # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
@@ -133,7 +170,7 @@ def save_checkpoint(
         if overwrite:
             doomed += [text for value, text in steps if value > new_value]
             steps = [(value, text) for value, text in steps if value <= new_value]
-        doomed += _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
+        doomed += retention(steps)
         _files.remove_files(
             [os.path.join(ckpt_dir, f"{prefix}{text}{_files.SUFFIX}") for text in doomed]
         )

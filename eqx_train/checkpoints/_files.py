@@ -11,8 +11,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 SUFFIX = ".safetensors"
-_STEP_RE = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_TEMP_MARK = ".tmp-"
+STEP_PATTERN = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+TEMP_MARK = ".tmp-"
 
 
 def checkpoint_name(prefix: str, step: int | float) -> str:
@@ -20,7 +20,7 @@ def checkpoint_name(prefix: str, step: int | float) -> str:
 
 
 def _pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"{re.escape(prefix)}(?P<step>{_STEP_RE}){re.escape(SUFFIX)}")
+    return re.compile(rf"{re.escape(prefix)}(?P<step>{STEP_PATTERN}){re.escape(SUFFIX)}")
 
 
 def list_checkpoints(ckpt_dir: str, prefix: str) -> list[tuple[Decimal, str, str]]:
@@ -96,11 +96,7 @@ def fsync_dir(path: str) -> None:
 def temp_path_for(final_path: str) -> str:
     """A unique temporary name next to `final_path` that never matches a checkpoint name."""
     directory, name = os.path.split(final_path)
-    return os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex}")
-
-
-def is_temp_name(name: str, prefix: str) -> bool:
-    return name.startswith(f".{prefix}") and _TEMP_MARK in name
+    return os.path.join(directory, f".{name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex}")
 
 
 def atomic_write(final_path: str, write: Callable[[int], None]) -> None:

@@ -1,0 +1,291 @@
+"""CheckpointManager: retention union, metrics/metadata in the file, re-runs, async errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+from safetensors import safe_open
+
+from eqx_train import EarlyStopping, TrainState
+from eqx_train.checkpoints import CheckpointManager, _format
+
+
+def _state(value):
+    return {"w": np.full(4, value, np.float32)}
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"keep_best": 2}, "keep_best=2 needs best_metric"),
+        ({"keep_latest": 0}, "keep_latest must be an int >= 1"),
+        ({"keep_best": -1, "best_metric": "loss"}, "keep_best must be an int >= 0"),
+        ({"mode": "lowest"}, "mode must be 'min' or 'max', got 'lowest'"),
+        ({"keep_every_n_steps": 0}, "keep_every_n_steps must be a positive number"),
+        ({"prefix": ""}, "prefix must be a non-empty"),
+    ],
+)
+def test_options_are_validated_eagerly(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointManager(tmp_path, **kwargs)
+
+
+# ---------------------------------------------------------------- retention
+
+
+def test_keeps_latest_and_best_by_metric(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
+    losses = {1: 0.9, 2: 0.2, 3: 0.5, 4: 0.7, 5: 0.6}
+    for step, loss in losses.items():
+        manager.save(step, _state(step), metrics={"loss": loss})
+    assert manager.all_steps() == [2, 4, 5]
+    assert manager.best_step() == 2
+    assert manager.latest_step() == 5
+
+
+def test_best_never_evicts_the_newest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=1, keep_best=2, best_metric="acc", mode="max")
+    for step, acc in enumerate([0.9, 0.95, 0.1, 0.2, 0.3]):
+        manager.save(step, _state(step), metrics={"acc": acc})
+    assert manager.all_steps() == [0, 1, 4]
+
+
+def test_nan_or_missing_metric_never_counts_as_best(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=1, keep_best=1, best_metric="loss")
+    manager.save(1, _state(1), metrics={"loss": 0.5})
+    manager.save(2, _state(2), metrics={"loss": float("nan")})
+    manager.save(3, _state(3), metrics={"other": 0.0})
+    manager.save(4, _state(4))
+    assert manager.best_step() == 1
+    assert manager.all_steps() == [1, 4]  # 1 is best; 2 (NaN) and 3 (missing) never count
+
+
+def test_keep_every_n_steps_joins_the_union(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=1, keep_every_n_steps=3)
+    for step in range(1, 9):
+        manager.save(step, _state(step))
+    assert manager.all_steps() == [1, 4, 7, 8]
+
+
+def test_restore_best_returns_state_saved_with_best_metric(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=1, keep_best=1, best_metric="loss")
+    for step, loss in enumerate([0.5, 0.1, 0.3]):
+        manager.save(step, _state(step), metrics={"loss": loss})
+    np.testing.assert_array_equal(manager.restore(_state(0), step="best")["w"], np.full(4, 1.0))
+    np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 2.0))
+
+
+def test_restore_best_without_usable_metric_says_so(tmp_path):
+    manager = CheckpointManager(tmp_path, best_metric="loss")
+    manager.save(1, _state(1))
+    with pytest.raises(ValueError, match="usable 'loss' metric"):
+        manager.restore(_state(0), step="best")
+
+
+# ---------------------------------------------------------------- metrics and metadata
+
+
+def test_metrics_and_metadata_live_in_the_checkpoint_file(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    meta = {"lr": 1e-3, "model": {"width": 64}, "git": "abc123"}
+    path = manager.save(7, _state(7), metrics={"loss": 0.25}, metadata=meta)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_7.safetensors"]
+    with safe_open(path, "np") as f:
+        stored = f.metadata()
+    assert json.loads(stored["eqx_train.metrics"]) == {"loss": 0.25}
+    assert json.loads(stored["eqx_train.user_metadata"]) == meta
+    assert manager.metrics(7) == {"loss": 0.25}
+    assert manager.metadata(7) == meta
+
+
+def test_reading_metrics_reads_no_tensor_data(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"big": np.zeros((512, 1024), np.float32)}, metrics={"loss": 1.0})
+
+    def no_tensor_reads(*args, **kwargs):
+        raise AssertionError("tensor data was read")
+
+    monkeypatch.setattr(_format, "read_tensor", no_tensor_reads)
+    monkeypatch.setattr(os, "preadv", no_tensor_reads)
+    assert manager.metrics(1) == {"loss": 1.0}
+    assert manager.metadata(1) is None
+    assert manager.all_steps() == [1]
+
+
+def test_bad_metric_and_metadata_are_rejected(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(TypeError, match="metric 'loss' must be a number"):
+        manager.save(1, _state(1), metrics={"loss": "low"})
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        manager.save(1, _state(1), metadata={"fn": print})
+    assert manager.all_steps() == []
+
+
+# ---------------------------------------------------------------- re-runs
+
+
+def test_new_manager_picks_up_existing_checkpoints_and_metrics(tmp_path):
+    first = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
+    for step, loss in enumerate([0.3, 0.1, 0.4]):
+        first.save(step, _state(step), metrics={"loss": loss})
+    second = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
+    assert second.all_steps() == [1, 2]
+    assert second.best_step() == 1 and second.metrics(2) == {"loss": 0.4}
+    second.save(3, _state(3), metrics={"loss": 0.5})
+    assert second.all_steps() == [1, 2, 3]  # newest two (2, 3) and the best (1)
+
+
+def test_saving_old_step_needs_overwrite_which_removes_newer(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=5)
+    for step in range(1, 5):
+        manager.save(step, _state(step))
+    with pytest.raises(ValueError, match=r"step 4 already exists.*overwrite=True"):
+        manager.save(2, _state(-2))
+    manager.save(2, _state(-2), overwrite=True)
+    assert manager.all_steps() == [1, 2]
+    np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, -2.0))
+
+
+def test_leftover_temporaries_are_removed_and_only_those(tmp_path):
+    dead_pid = 2**22 + 12345  # above the kernel's pid_max default: no such process
+    ours = f".checkpoint_3.safetensors.tmp-{dead_pid}-{'a' * 32}"
+    live = f".checkpoint_4.safetensors.tmp-{os.getpid()}-{'b' * 32}"
+    strangers = [
+        "notes.txt",
+        ".checkpoint_3.safetensors.tmp-me",
+        "checkpoint_tmp",
+        f".other_3.safetensors.tmp-{dead_pid}-{'c' * 32}",
+    ]
+    for name in [ours, live, *strangers]:
+        (tmp_path / name).write_text("x")
+    CheckpointManager(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([live, *strangers])
+
+
+def test_train_state_and_early_stopping_resume_together(tmp_path):
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    state = TrainState.create(model=model, tx=optax.adam(1e-2))
+    stopper = EarlyStopping(patience=2).update(0.5).update(0.7)
+    with CheckpointManager(tmp_path, async_save=True) as manager:
+        manager.save(1, (state, stopper), metrics={"val_loss": 0.7})
+    fresh = (
+        TrainState.create(model=eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(1)), tx=state.tx),
+        EarlyStopping(patience=2),
+    )
+    restored_state, restored_stopper = CheckpointManager(tmp_path).restore(fresh)
+    assert int(restored_stopper.patience_count) == 1
+    assert float(restored_stopper.best_metric) == 0.5
+    np.testing.assert_array_equal(restored_state.model.layers[0].weight, model.layers[0].weight)
+
+
+# ---------------------------------------------------------------- async errors
+
+
+def _fail_writes(monkeypatch):
+    failed = threading.Event()
+
+    def broken_write(fd, data):
+        failed.set()
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "write", broken_write)
+    return failed
+
+
+def test_async_failure_is_raised_by_next_save(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path, async_save=True)
+    failed = _fail_writes(monkeypatch)
+    manager.save(1, _state(1))
+    assert failed.wait(30)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="Read-only file system"):
+        manager.save(2, _state(2))
+    manager.save(2, _state(2))
+    manager.wait()
+    assert manager.all_steps() == [2]
+
+
+def test_async_failure_is_raised_by_wait_and_by_close(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path, async_save=True)
+    _fail_writes(monkeypatch)
+    manager.save(1, _state(1))
+    with pytest.raises(OSError, match="Read-only"):
+        manager.wait()
+    manager.save(2, _state(2))
+    with pytest.raises(OSError, match="Read-only"):
+        manager.close()
+
+
+def test_context_manager_exit_waits_and_raises(tmp_path, monkeypatch):
+    _fail_writes(monkeypatch)
+    with pytest.raises(OSError, match="Read-only"):
+        with CheckpointManager(tmp_path, async_save=True) as manager:
+            manager.save(1, _state(1))
+
+
+def test_async_save_snapshots_state_at_the_call(tmp_path):
+    array = np.zeros(1 << 20, np.float32)
+    with CheckpointManager(tmp_path, async_save=True) as manager:
+        manager.save(1, {"a": array})
+        array[:] = 1.0
+    np.testing.assert_array_equal(CheckpointManager(tmp_path).restore({"a": array})["a"], 0.0)
+
+
+# ---------------------------------------------------------------- SIGKILL
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from eqx_train.checkpoints import CheckpointManager
+
+    manager = CheckpointManager(sys.argv[1], keep_latest=2, keep_best=1, best_metric="loss")
+    for step in range(1, 10_000):
+        tree = {"step": np.asarray(step), "w": np.full((4, 1 << 20), step, np.float32)}
+        manager.save(step, tree, metrics={"loss": 1.0 / step if step != 2 else 0.0})
+        print(step, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_then_rerun_is_clean(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if int(line) >= 4:
+                break
+        time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+    manager = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    steps = manager.all_steps()
+    assert 2 in steps and manager.best_step() == 2
+    latest = manager.latest_step()
+    restored = manager.restore({"step": np.asarray(0), "w": np.zeros((4, 1 << 20), np.float32)})
+    assert int(restored["step"]) == latest and np.all(restored["w"] == latest)
