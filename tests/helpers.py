@@ -57,3 +57,36 @@ def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-6, atol: float = 0.0) -> b
         ):
             return False
     return True
+
+
+def run_then_sigkill(script: str, argument: str, *, after_line: int, delay: float) -> None:
+    """Runs `python -c script argument`, waits until it prints an int >= `after_line`, sleeps
+    `delay` seconds, then SIGKILLs it (and never leaves it running)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, argument], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if int(line) >= after_line:
+                break
+        else:
+            raise AssertionError(
+                f"the child exited (code {process.wait()}) before line {after_line}"
+            )
+        time.sleep(delay)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()

@@ -2,12 +2,8 @@
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
-import time
 
 import equinox as eqx
 import jax
@@ -18,6 +14,7 @@ from safetensors import safe_open
 
 from eqx_train import EarlyStopping, TrainState
 from eqx_train.checkpoints import CheckpointManager, _format
+from tests.helpers import run_then_sigkill
 
 
 def _state(value):
@@ -25,6 +22,11 @@ def _state(value):
 
 
 # ---------------------------------------------------------------- options
+
+
+def test_save_rejects_non_finite_step(tmp_path):
+    with pytest.raises(ValueError, match="step must be finite"):
+        CheckpointManager(tmp_path).save(float("nan"), _state(0))
 
 
 @pytest.mark.parametrize(
@@ -264,24 +266,7 @@ WRITER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sigkill_during_save_then_rerun_is_clean(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    process = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True
-    )
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if int(line) >= 4:
-                break
-        time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+    run_then_sigkill(WRITER, str(tmp_path), after_line=4, delay=0.02)
     manager = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     steps = manager.all_steps()

@@ -1,16 +1,13 @@
 """SIGKILL at any moment leaves the latest complete checkpoint restorable."""
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
 from eqx_train import checkpoints
+from tests.helpers import run_then_sigkill
 
 WRITER = textwrap.dedent(
     """
@@ -30,24 +27,7 @@ WRITER = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.013, 0.037, 0.071])
 def test_sigkill_mid_save_leaves_latest_complete_checkpoint(tmp_path, delay):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    process = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True
-    )
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:  # wait until a few saves have completed
-            if int(line) >= 3:
-                break
-        time.sleep(delay)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+    run_then_sigkill(WRITER, str(tmp_path), after_line=3, delay=delay)
     steps = checkpoints.available_steps(tmp_path)
     assert steps, "no checkpoint survived"
     for step in steps:  # every file under a final name is complete and correct

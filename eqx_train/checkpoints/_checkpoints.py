@@ -25,22 +25,11 @@ _PARALLEL_MIN_BYTES = 16 << 20
 _MAX_LISTED_PROBLEMS = 20
 
 
-def _check_save_arguments(step: Any, keep: Any, keep_every_n_steps: Any) -> None:
+def _check_step(step: Any, caller: str) -> None:
     if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
-        raise TypeError(f"save_checkpoint: step must be an int or float, got {step!r}.")
+        raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
     if not math.isfinite(step):
-        raise ValueError(f"save_checkpoint: step must be finite, got {step!r}.")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"save_checkpoint: keep must be an int >= 1, got {keep!r}.")
-    if keep_every_n_steps is not None and (
-        isinstance(keep_every_n_steps, bool)
-        or not isinstance(keep_every_n_steps, int | float)
-        or keep_every_n_steps <= 0
-    ):
-        raise ValueError(
-            f"save_checkpoint: keep_every_n_steps must be a positive number or None, got "
-            f"{keep_every_n_steps!r}."
-        )
+        raise ValueError(f"{caller}: step must be finite, got {step!r}.")
 
 
 def _snapshot(tensor: _format.TensorLeaf) -> _format.TensorLeaf:
@@ -96,7 +85,9 @@ def save_checkpoint(
     `TypeError` naming the leaf path for a dtype safetensors cannot hold, `OSError` when the
     disk is full (previous checkpoints untouched, no temporary file left behind).
     """
-    _check_save_arguments(step, keep, keep_every_n_steps)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint: keep must be an int >= 1, got {keep!r}.")
+    _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint")
 
     def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
         return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
@@ -133,6 +124,7 @@ def save_with_policy(
     Writes the file atomically, then (after it is durable) removes newer steps when
     `overwrite`, and the steps `retention(steps_oldest_first)` names.
     """
+    _check_step(step, caller)
     ckpt_dir = os.fspath(ckpt_dir)
     os.makedirs(ckpt_dir, exist_ok=True)
     if async_manager is not None:

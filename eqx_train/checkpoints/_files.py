@@ -61,6 +61,15 @@ def parse_step(text: str, step_type: Callable[[str], Any]) -> Any:
     return step_type(text)
 
 
+def check_keep_every_n_steps(value: Any, caller: str) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+    ):
+        raise ValueError(
+            f"{caller}: keep_every_n_steps must be a positive number or None, got {value!r}."
+        )
+
+
 def steps_to_delete(
     steps: list[tuple[Decimal, str]],
     *,

@@ -112,15 +112,7 @@ class CheckpointManager:
             )
         if mode not in ("min", "max"):
             raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
-        if keep_every_n_steps is not None and (
-            isinstance(keep_every_n_steps, bool)
-            or not isinstance(keep_every_n_steps, int | float)
-            or keep_every_n_steps <= 0
-        ):
-            raise ValueError(
-                "CheckpointManager: keep_every_n_steps must be a positive number or None, got "
-                f"{keep_every_n_steps!r}."
-            )
+        _files.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
         if not prefix or os.sep in prefix or prefix.startswith("."):
             raise ValueError(
                 f"CheckpointManager: prefix must be a non-empty file name prefix, got {prefix!r}."
