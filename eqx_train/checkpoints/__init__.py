@@ -10,9 +10,14 @@ from ._checkpoints import (
 from ._format import CheckpointFormatError as CheckpointFormatError
 from ._legacy import convert_pre_linen as convert_pre_linen
 from ._manager import CheckpointManager as CheckpointManager
+from ._multiprocess import (
+    BarrierTimeoutError as BarrierTimeoutError,
+    save_checkpoint_multiprocess as save_checkpoint_multiprocess,
+)
 
 __all__ = [
     "AsyncManager",
+    "BarrierTimeoutError",
     "CheckpointFormatError",
     "CheckpointManager",
     "available_steps",
@@ -20,4 +25,5 @@ __all__ = [
     "latest_checkpoint",
     "restore_checkpoint",
     "save_checkpoint",
+    "save_checkpoint_multiprocess",
 ]

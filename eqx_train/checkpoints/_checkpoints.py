@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._tree import path_to_name
-from . import _files, _format
+from . import _files, _format, _multiprocess
 from ._async import AsyncManager
 
 T = TypeVar("T")
@@ -30,6 +30,22 @@ def _check_step(step: Any, caller: str) -> None:
         raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
     if not math.isfinite(step):
         raise ValueError(f"{caller}: step must be finite, got {step!r}.")
+
+
+def apply_retention(
+    ckpt_dir: str, prefix: str, new_value: Decimal, *, overwrite: bool, retention: Retention
+) -> None:
+    """After a commit: with `overwrite`, remove steps newer than the new one; then the steps
+    `retention` names. Files and multi-process checkpoint directories alike."""
+    listing = _files.list_checkpoints(ckpt_dir, prefix)
+    paths = {text: path for _, text, path in listing}
+    steps = [(value, text) for value, text, _ in listing]
+    doomed: list[str] = []
+    if overwrite:
+        doomed += [text for value, text in steps if value > new_value]
+        steps = [(value, text) for value, text in steps if value <= new_value]
+    doomed += retention(steps)
+    _files.remove_files([paths[text] for text in doomed])
 
 
 def _snapshot(tensor: _format.TensorLeaf) -> _format.TensorLeaf:
@@ -157,15 +173,7 @@ def save_with_policy(
 
     def commit() -> None:
         _files.atomic_write(final_path, write)
-        steps = [(value, text) for value, text, _ in _files.list_checkpoints(ckpt_dir, prefix)]
-        doomed: list[str] = []
-        if overwrite:
-            doomed += [text for value, text in steps if value > new_value]
-            steps = [(value, text) for value, text in steps if value <= new_value]
-        doomed += retention(steps)
-        _files.remove_files(
-            [os.path.join(ckpt_dir, f"{prefix}{text}{_files.SUFFIX}") for text in doomed]
-        )
+        apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention)
 
     if async_manager is not None:
         async_manager.save_async(commit)
@@ -279,8 +287,8 @@ class _Expected:
         else:  # Python scalar: any numeric dtype of shape ()
             self.shape, self.dtype = (), None
 
-    def matches(self, info: _format.TensorInfo) -> bool:
-        return info.shape == self.shape and (self.dtype is None or info.dtype == self.dtype)
+    def matches(self, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+        return tuple(shape) == self.shape and (self.dtype is None or dtype == self.dtype)
 
     def expectation(self) -> str:
         return (
@@ -357,6 +365,8 @@ def restore_checkpoint(
     path = _resolve_path(os.fspath(ckpt_dir), step, prefix)
     if path is None:
         return target
+    if _multiprocess.is_sharded_checkpoint(path):
+        return _restore_sharded(path, target, strict)
     header = _format.read_header(path)
     if target is None:
         names = list(header.tensors)
@@ -364,7 +374,19 @@ def restore_checkpoint(
         if not header.has_description:
             return _unflatten_names(arrays)  # type: ignore[return-value]
         return _format.rebuild(header.description, arrays.__getitem__)
+    available = {name: (info.shape, info.dtype) for name, info in header.tensors.items()}
+    leaves, treedef, slots = _match_target(target, available, path, strict)
+    arrays = _read_many(path, header, [name for _, name, _ in slots], parallel)
+    for index, name, expected in slots:
+        leaves[index] = expected.build(arrays[name])
+    return jtu.tree_unflatten(treedef, leaves)
 
+
+def _match_target(
+    target: Any, available: dict[str, tuple[tuple[int, ...], np.dtype]], path: str, strict: bool
+) -> tuple[list[Any], Any, list[tuple[int, str, _Expected]]]:
+    """Pairs each restorable target leaf with a saved array; raises one error listing every
+    missing, extra or mismatched path (missing and extra are allowed when not `strict`)."""
     pairs, treedef = jtu.tree_flatten_with_path(target)
     slots: list[tuple[int, str, _Expected]] = []
     problems: list[str] = []
@@ -374,28 +396,27 @@ def restore_checkpoint(
             continue
         name = path_to_name(key_path)
         expected = _Expected(leaf)
-        info = header.tensors.get(name)
-        if info is None:
+        if name not in available:
             if strict:
                 problems.append(
                     f"'{name}': missing from the file, target expects {expected.expectation()}"
                 )
             continue
-        if not expected.matches(info):
+        shape, dtype = available[name]
+        if not expected.matches(shape, dtype):
             mismatched.add(name)
             problems.append(
-                f"'{name}': file has {_describe(info.shape, info.dtype)}, target expects "
+                f"'{name}': file has {_describe(shape, dtype)}, target expects "
                 f"{expected.expectation()}"
             )
             continue
         slots.append((index, name, expected))
     if strict:
         used = {name for _, name, _ in slots} | mismatched
-        for name, info in header.tensors.items():
+        for name, (shape, dtype) in available.items():
             if name not in used:
                 problems.append(
-                    f"'{name}': in the file as {_describe(info.shape, info.dtype)}, not in the "
-                    "target"
+                    f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
                 )
     if problems:
         listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
@@ -406,8 +427,29 @@ def restore_checkpoint(
             "Pass target=None to load the file as saved"
             + (", or strict=False to restore only the leaves present in both." if strict else ".")
         )
-    arrays = _read_many(path, header, [name for _, name, _ in slots], parallel)
-    leaves = [leaf for _, leaf in pairs]
+    return [leaf for _, leaf in pairs], treedef, slots
+
+
+def _restore_sharded(path: str, target: Any, strict: bool) -> Any:
+    reader = _multiprocess.ShardedReader(path)
+    if target is None:
+        return _format.rebuild(reader.index.description, reader.read_block)
+    available = {name: reader.info(name) for name in reader.arrays}
+    leaves, treedef, slots = _match_target(target, available, path, strict)
     for index, name, expected in slots:
-        leaves[index] = expected.build(arrays[name])
+        leaf = expected.leaf
+        sharding = getattr(leaf, "sharding", None)
+        if (
+            isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
+            and sharding is not None
+            and not (_format.is_prng_key(leaf))
+        ):
+            shape = tuple(leaf.shape)
+            blocks = [
+                jax.device_put(reader.read_block(name, idx), device)
+                for device, idx in sharding.addressable_devices_indices_map(shape).items()
+            ]
+            leaves[index] = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
+        else:
+            leaves[index] = expected.build(reader.read_block(name))
     return jtu.tree_unflatten(treedef, leaves)

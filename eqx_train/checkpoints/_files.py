@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 SUFFIX = ".safetensors"
+SHARDED_SUFFIX = ".shards"  # a multi-process checkpoint: a directory of shard files + index
 STEP_PATTERN = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 TEMP_MARK = ".tmp-"
 
@@ -20,13 +22,15 @@ def checkpoint_name(prefix: str, step: int | float) -> str:
 
 
 def _pattern(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"{re.escape(prefix)}(?P<step>{STEP_PATTERN}){re.escape(SUFFIX)}")
+    suffixes = f"(?:{re.escape(SUFFIX)}|{re.escape(SHARDED_SUFFIX)})"
+    return re.compile(rf"{re.escape(prefix)}(?P<step>{STEP_PATTERN}){suffixes}")
 
 
 def list_checkpoints(ckpt_dir: str, prefix: str) -> list[tuple[Decimal, str, str]]:
     """`(numeric step, step text, path)` of every checkpoint file, oldest step first.
 
-    Only names of the exact form `{prefix}{number}.safetensors` count, so notes, temporary
+    Only names of the exact form `{prefix}{number}.safetensors` (or `.shards`, a multi-process
+    checkpoint directory) count, so notes, temporary
     files and other prefixes in the same directory are ignored. The order is numeric (Decimal,
     exact for huge ints and for floats), never lexicographic.
     """
@@ -130,6 +134,10 @@ def atomic_write(final_path: str, write: Callable[[int], None]) -> None:
 
 
 def remove_files(paths: list[str]) -> None:
+    """Removes checkpoint files and multi-process checkpoint directories."""
     for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)

@@ -76,12 +76,14 @@ def dtype_code(dtype: np.dtype, name: str) -> str:
 
 @dataclass(frozen=True)
 class TensorLeaf:
-    """One tensor to write: its name, the leaf kind and a way to get its NumPy value."""
+    """One tensor to write: its name, a way to get its NumPy value, and the array it came
+    from (a `jax.Array` whose shards the multi-process save writes piece by piece)."""
 
     name: str
     get: Callable[[], np.ndarray]
     dtype: np.dtype
     shape: tuple[int, ...]
+    source: Any = None
 
 
 def is_prng_key(x: Any) -> bool:
@@ -96,16 +98,25 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
     return [(path[0], child) for path, child in pairs], treedef
 
 
-def describe(tree: Any) -> tuple[Any, list[TensorLeaf]]:
+def describe(tree: Any, *, allow_global: bool = False) -> tuple[Any, list[TensorLeaf]]:
     """The JSON description of `tree` and the tensors to write, in order.
 
-    Raises TypeError/ValueError naming the leaf path for things that cannot be saved.
+    Raises TypeError/ValueError naming the leaf path for things that cannot be saved, and
+    (unless `allow_global`) for arrays spread over several processes.
     """
     tensors: list[TensorLeaf] = []
     seen: dict[str, str] = {}
 
-    def add_tensor(path: tuple[str, ...], get: Callable[[], np.ndarray], dtype, shape) -> str:
+    def add_tensor(
+        path: tuple[str, ...], get: Callable[[], np.ndarray], dtype, shape, source=None
+    ) -> str:
         name = ".".join(path) if path else "<root>"
+        if not allow_global and isinstance(source, jax.Array) and not source.is_fully_addressable:
+            raise ValueError(
+                f"save_checkpoint: leaf '{name}' is a jax.Array spread over several processes "
+                "(not fully addressable), so no single process can write it. In a "
+                "multi-process job use save_checkpoint_multiprocess, called on every process."
+            )
         if name in seen:
             raise ValueError(
                 f"save_checkpoint: two leaves map to the tensor name '{name}' (a key contains "
@@ -113,7 +124,7 @@ def describe(tree: Any) -> tuple[Any, list[TensorLeaf]]:
             )
         seen[name] = name
         dtype_code(dtype, name)
-        tensors.append(TensorLeaf(name, get, np.dtype(dtype), tuple(int(s) for s in shape)))
+        tensors.append(TensorLeaf(name, get, np.dtype(dtype), tuple(int(s) for s in shape), source))
         return name
 
     def visit(node: Any, path: tuple[str, ...]) -> Any:
@@ -122,11 +133,13 @@ def describe(tree: Any) -> tuple[Any, list[TensorLeaf]]:
         if is_prng_key(node):
             data = jax.random.key_data(node)
             impl = str(jax.random.key_impl(node))
-            name = add_tensor(path, lambda d=data: np.asarray(d), data.dtype, data.shape)
+            name = add_tensor(path, lambda d=data: np.asarray(d), data.dtype, data.shape, data)
             return {"tensor": name, "kind": "prng_key", "impl": impl}
         if isinstance(node, jax.Array):
             return {
-                "tensor": add_tensor(path, lambda n=node: np.asarray(n), node.dtype, node.shape),
+                "tensor": add_tensor(
+                    path, lambda n=node: np.asarray(n), node.dtype, node.shape, node
+                ),
                 "kind": "array",
             }
         if isinstance(node, np.ndarray):

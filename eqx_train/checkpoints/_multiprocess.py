@@ -1,0 +1,333 @@
+"""Multi-process checkpoints on `jax.distributed`: every process writes its own shards,
+process 0 writes the index and commits; restore reads only the pieces each process needs.
+
+Layout of a committed checkpoint (a directory, renamed into place atomically):
+
+    {prefix}{step}.shards/
+        index.safetensors          no tensors; metadata: tree, step, and for every array its
+                                   global shape, dtype and pieces (file, tensor, slice)
+        process_00000.safetensors  the pieces process 0 owns (plain safetensors)
+        process_00001.safetensors  ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _files, _format
+from ._async import AsyncManager
+
+INDEX_NAME = "index.safetensors"
+_PIECES_KEY = "eqx_train.pieces"
+_ARRAYS_KEY = "eqx_train.arrays"
+_POLL_S = 0.02
+
+
+class BarrierTimeoutError(TimeoutError):
+    """A multi-process checkpoint step waited longer than `timeout_s` for its peers."""
+
+
+def _process_file(pid: int) -> str:
+    return f"process_{pid:05d}{_files.SUFFIX}"
+
+
+def _broadcast_token(timeout_s: float) -> str:
+    """A random token chosen by process 0, the same on every process."""
+    if jax.process_count() == 1:
+        return secrets.token_hex(8)
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(secrets.token_bytes(8), dtype=np.uint32).copy()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["token"] = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+        except BaseException as error:  # re-raised in the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise BarrierTimeoutError(
+            f"save_checkpoint_multiprocess: process {jax.process_index()} waited {timeout_s}s "
+            "for the other processes to start the save; every process must call "
+            "save_checkpoint_multiprocess with the same step."
+        )
+    if "error" in result:
+        raise result["error"]
+    return "".join(f"{int(v):08x}" for v in result["token"])
+
+
+def _wait_for(paths: Callable[[], list[str]], timeout_s: float, what: str) -> None:
+    """Polls until every path in `paths()` exists, or raises BarrierTimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [p for p in paths() if not os.path.exists(p)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BarrierTimeoutError(
+                f"save_checkpoint_multiprocess: waited {timeout_s}s for {what}; still missing: "
+                f"{[os.path.basename(p) for p in missing]}. A peer process probably died or "
+                "never called save; the previous checkpoint is still the latest."
+            )
+        time.sleep(_POLL_S)
+
+
+def _pieces_of(tensor: _format.TensorLeaf, pid: int) -> list[tuple[list[list[int]], Any]]:
+    """The (index ranges, getter) pieces of one leaf that process `pid` writes."""
+    source = tensor.source
+    full = [[0, d] for d in tensor.shape]
+    if isinstance(source, jax.Array) and not source.is_fully_addressable:
+        pieces = []
+        for shard in source.addressable_shards:
+            if shard.replica_id != 0:
+                continue  # another device holds the copy that gets written
+            ranges = [
+                [sl.start or 0, d if sl.stop is None else sl.stop]
+                for sl, d in zip(shard.index, tensor.shape, strict=True)
+            ]
+            pieces.append((ranges, lambda data=shard.data: np.asarray(data)))
+        return pieces
+    return [(full, tensor.get)] if pid == 0 else []  # host-local leaves: process 0 writes
+
+
+def save_checkpoint_multiprocess(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any,
+    step: int | float,
+    prefix: str = "checkpoint_",
+    keep: int = 1,
+    overwrite: bool = False,
+    keep_every_n_steps: int | float | None = None,
+    async_manager: AsyncManager | None = None,
+    *,
+    timeout_s: float = 300.0,
+) -> str:
+    """Saves a checkpoint of arrays sharded over several processes; call it on every process.
+
+    Each process writes only the shards it owns (a shard replicated on several devices is
+    written once, by the device with `replica_id == 0`) into its own safetensors file, so
+    no array is ever gathered. Host-local leaves (NumPy arrays, scalars, fully addressable
+    arrays) are written by process 0. When every process's file is durable, process 0 writes
+    the index (global shapes, dtypes, which file holds which slice, the tree description),
+    renames the directory into place atomically, and applies retention. A process dying
+    mid-save leaves the previous checkpoint as the latest; the others raise
+    `BarrierTimeoutError` after `timeout_s` seconds instead of hanging.
+
+    **Arguments:** as `save_checkpoint`, plus
+
+    - `timeout_s`: how long a process waits for its peers at each synchronisation point.
+
+    `ckpt_dir` must be the same shared directory on every process. Returns the path of the
+    checkpoint directory, `{ckpt_dir}/{prefix}{step}.shards`.
+    """
+    from ._checkpoints import _check_step, apply_retention
+
+    _check_step(step, "save_checkpoint_multiprocess")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint_multiprocess: keep must be an int >= 1, got {keep!r}.")
+    _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint_multiprocess")
+    ckpt_dir = os.fspath(ckpt_dir)
+    pid, count = jax.process_index(), jax.process_count()
+    if async_manager is not None:
+        async_manager.wait_previous_save()
+    existing = _files.list_checkpoints(ckpt_dir, prefix)
+    new_value = Decimal(str(step))
+    if existing and not overwrite and new_value <= existing[-1][0]:
+        raise ValueError(
+            f"save_checkpoint_multiprocess: a checkpoint at step {existing[-1][1]} already "
+            f"exists in {ckpt_dir} and step {step} is not newer. Pass overwrite=True to "
+            "replace it (this also deletes every newer checkpoint)."
+        )
+    description, tensors = _format.describe(target, allow_global=True)
+    token = _broadcast_token(timeout_s)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    name = f"{prefix}{step}{_files.SHARDED_SUFFIX}"
+    final_dir = os.path.join(ckpt_dir, name)
+    temp_dir = os.path.join(ckpt_dir, f".{name}{_files.TEMP_MARK}{token}")
+    os.makedirs(temp_dir, exist_ok=True)
+
+    pieces: list[tuple[str, str, list[list[int]], Any]] = []
+    for tensor in tensors:
+        for k, (ranges, get) in enumerate(_pieces_of(tensor, pid)):
+            pieces.append((f"{tensor.name}#{pid}.{k}", tensor.name, ranges, get))
+    if async_manager is not None:
+        snapshots = [np.array(get(), copy=True) for *_, get in pieces]
+        pieces = [
+            (n, leaf, r, lambda v=v: v)
+            for (n, leaf, r, _), v in zip(pieces, snapshots, strict=True)
+        ]
+
+    def write_and_commit() -> None:
+        leaves = [
+            _format.TensorLeaf(
+                tname, get, tensors_by_name[leaf].dtype, tuple(b - a for a, b in ranges)
+            )
+            for tname, leaf, ranges, get in pieces
+        ]
+        meta = {
+            _PIECES_KEY: json.dumps({t: {"leaf": leaf, "index": r} for t, leaf, r, _ in pieces})
+        }
+        header = _format.encode_header(leaves, meta)
+
+        def write(fd: int) -> None:
+            _format.write_all(fd, memoryview(header))
+            _format.write_tensors(fd, leaves)
+
+        _files.atomic_write(os.path.join(temp_dir, _process_file(pid)), write)
+        _files.atomic_write(os.path.join(temp_dir, f"done_{pid:05d}"), lambda fd: None)
+        if pid != 0:
+            # Committed when process 0 has renamed the unique temporary directory away.
+            _wait_gone(temp_dir, timeout_s)
+            return
+        _wait_for(
+            lambda: [os.path.join(temp_dir, f"done_{i:05d}") for i in range(count)],
+            timeout_s,
+            "every process to write its shards",
+        )
+        _write_index(temp_dir, count, description, tensors, step)
+        for i in range(count):
+            _files.remove_files([os.path.join(temp_dir, f"done_{i:05d}")])
+        _commit_directory(temp_dir, final_dir)
+
+        def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
+            return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
+
+        apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=flax_retention)
+
+    tensors_by_name = {t.name: t for t in tensors}
+    if async_manager is not None:
+        async_manager.save_async(write_and_commit)
+    else:
+        write_and_commit()
+    return final_dir
+
+
+def _wait_gone(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise BarrierTimeoutError(
+                f"save_checkpoint_multiprocess: waited {timeout_s}s for process 0 to commit "
+                f"{os.path.basename(path)}. A peer process probably died; the previous "
+                "checkpoint is still the latest."
+            )
+        time.sleep(_POLL_S)
+
+
+def _write_index(temp_dir: str, count: int, description: Any, tensors: list, step: Any) -> None:
+    arrays: dict[str, dict[str, Any]] = {
+        t.name: {"shape": list(t.shape), "dtype": _format.dtype_code(t.dtype, t.name), "pieces": []}
+        for t in tensors
+    }
+    for i in range(count):
+        file_name = _process_file(i)
+        header = _format.read_header(os.path.join(temp_dir, file_name))
+        for tensor_name, piece in json.loads(header.metadata[_PIECES_KEY]).items():
+            arrays[piece["leaf"]]["pieces"].append(
+                {"file": file_name, "tensor": tensor_name, "index": piece["index"]}
+            )
+    for leaf, entry in arrays.items():
+        covered = sum(math.prod(b - a for a, b in p["index"]) for p in entry["pieces"])
+        if covered != math.prod(entry["shape"]):
+            raise RuntimeError(
+                f"save_checkpoint_multiprocess: the processes wrote {covered} of "
+                f"{math.prod(entry['shape'])} elements of '{leaf}'; some shard has no owner."
+            )
+    metadata = {
+        "eqx_train.format": _format.FORMAT_NAME,
+        "eqx_train.format_version": str(_format.FORMAT_VERSION),
+        "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
+        "eqx_train.tree": json.dumps(description, separators=(",", ":")),
+        _ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
+    }
+    header = _format.encode_header([], metadata)
+    _files.atomic_write(
+        os.path.join(temp_dir, INDEX_NAME),
+        lambda fd: _format.write_all(fd, memoryview(header)),
+    )
+
+
+def _commit_directory(temp_dir: str, final_dir: str) -> None:
+    parent = os.path.dirname(final_dir)
+    if os.path.exists(final_dir):  # overwrite: move the old one aside first
+        trash = f"{temp_dir}.old"
+        os.replace(final_dir, trash)
+        os.replace(temp_dir, final_dir)
+        _files.remove_files([trash])
+    else:
+        os.replace(temp_dir, final_dir)
+    _files.fsync_dir(parent)
+
+
+# ------------------------------------------------------------------------------------ restore
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX_NAME))
+
+
+class ShardedReader:
+    """Reads arrays of a multi-process checkpoint, or only the slices a device needs."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.index = _format.read_header(os.path.join(directory, INDEX_NAME))
+        self.arrays: dict[str, dict[str, Any]] = json.loads(self.index.metadata[_ARRAYS_KEY])
+        self._headers: dict[str, _format.Header] = {}
+
+    def info(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        entry = self.arrays[name]
+        return tuple(entry["shape"]), _format._CODE_TO_DTYPE[entry["dtype"]]
+
+    def _read_piece(self, piece: dict[str, Any]) -> np.ndarray:
+        path = os.path.join(self.directory, piece["file"])
+        if path not in self._headers:
+            self._headers[path] = _format.read_header(path)
+        info = self._headers[path].tensors[piece["tensor"]]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _format.read_tensor(fd, info, path)
+        finally:
+            os.close(fd)
+
+    def read_block(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The block `index` (default: all) of array `name`, reading only the pieces that
+        overlap it."""
+        shape, dtype = self.info(name)
+        bounds = [
+            (0, d) if index is None else (sl.start or 0, d if sl.stop is None else sl.stop)
+            for d, sl in zip(shape, index or [slice(None)] * len(shape), strict=True)
+        ]
+        out = np.empty([b - a for a, b in bounds], dtype=dtype)
+        for piece in self.arrays[name]["pieces"]:
+            overlap = [
+                (max(a, pa), min(b, pb))
+                for (a, b), (pa, pb) in zip(bounds, piece["index"], strict=True)
+            ]
+            if any(lo >= hi for lo, hi in overlap) and math.prod(shape):
+                continue
+            data = self._read_piece(piece)
+            src = tuple(
+                slice(lo - pa, hi - pa)
+                for (lo, hi), (pa, _) in zip(overlap, piece["index"], strict=True)
+            )
+            dst = tuple(
+                slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, bounds, strict=True)
+            )
+            out[dst] = data[src]
+        return out
