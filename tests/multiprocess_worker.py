@@ -1,0 +1,127 @@
+"""Worker for tests/test_checkpoints_multiprocess.py: one JAX process of a loopback job.
+
+    python multiprocess_worker.py MODE PROCESS_ID NUM_PROCESSES PORT DIR [OTHER_DIR]
+
+Prints "OK <mode> <process>" on success; any failure is an exception (non-zero exit).
+"""
+
+import os
+import sys
+
+mode, pid, count, port, directory = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+    sys.argv[5],
+)
+other = sys.argv[6] if len(sys.argv) > 6 else None
+local_devices = 8 if count == 1 else 2
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+if count > 1:
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
+    )
+
+from eqx_train import checkpoints  # noqa: E402
+
+
+def values(step):
+    return {
+        "a": np.arange(8 * 6, dtype=np.float32).reshape(8, 6) + step,
+        "b": np.arange(4, dtype=np.int32) * step,
+        "c": np.linspace(0, 1, 3) + step,
+    }
+
+
+def global_tree(step, mesh, spec_a):
+    v = values(step)
+
+    def place(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return {"a": place(v["a"], spec_a), "b": place(v["b"], P()), "c": v["c"], "n": step}
+
+
+def check(tree, step):
+    expected = values(step)
+    for key in ("a", "b"):
+        for shard in tree[key].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), expected[key][shard.index])
+    np.testing.assert_array_equal(tree["c"], expected["c"])
+    assert tree["n"] == step
+
+
+mesh_1d = Mesh(np.array(jax.devices()), ("d",))
+
+if mode == "save_restore":
+    for step in (1, 2, 3):
+        checkpoints.save_checkpoint_multiprocess(
+            directory, global_tree(step, mesh_1d, P("d")), step, keep=2, timeout_s=60
+        )
+    assert checkpoints.available_steps(directory) == [2, 3], checkpoints.available_steps(directory)
+    checkpoints.save_checkpoint_multiprocess(
+        directory, global_tree(20, mesh_1d, P("d")), 2, keep=2, overwrite=True, timeout_s=60
+    )
+    assert checkpoints.available_steps(directory) == [2]
+    restored = checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d")))
+    check(restored, 20)
+    try:
+        checkpoints.save_checkpoint(directory + "_single", global_tree(1, mesh_1d, P("d")), 1)
+    except ValueError as error:
+        assert "save_checkpoint_multiprocess" in str(error)
+    else:
+        raise AssertionError("single-host save of a global array did not fail")
+elif mode == "reshard_to_one":  # 1 process x 8 devices reads a 2 x 2 checkpoint
+    mesh_2d = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    restored = checkpoints.restore_checkpoint(directory, global_tree(0, mesh_2d, P("x", "y")))
+    check(restored, 20)
+    as_saved = checkpoints.restore_checkpoint(directory, None)
+    np.testing.assert_array_equal(as_saved["a"], values(20)["a"])
+    np.testing.assert_array_equal(as_saved["b"], values(20)["b"])
+    assert as_saved["n"] == 20
+    spec = global_tree(7, mesh_2d, P("x", "y"))  # another partitioning: 4 x 2 blocks
+    checkpoints.save_checkpoint_multiprocess(other, spec, 7, timeout_s=60)
+elif mode == "reshard_back":  # 2 processes x 2 devices read a 1 x 8 checkpoint
+    restored = checkpoints.restore_checkpoint(
+        directory,
+        {
+            "a": jax.ShapeDtypeStruct((8, 6), np.float32, sharding=NamedSharding(mesh_1d, P("d"))),
+            "b": global_tree(0, mesh_1d, P("d"))["b"],
+            "c": np.zeros(3),
+            "n": 0,
+        },
+    )
+    check(restored, 7)
+elif mode == "peer_dies":
+    checkpoints.save_checkpoint_multiprocess(
+        directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
+    )
+    if pid == 1:
+        from eqx_train.checkpoints import _files
+
+        def die(*args, **kwargs):
+            os._exit(3)  # killed mid-save, after the save started
+
+        _files.atomic_write = die
+    try:
+        checkpoints.save_checkpoint_multiprocess(
+            directory, global_tree(2, mesh_1d, P("d")), 2, timeout_s=4
+        )
+    except checkpoints.BarrierTimeoutError as error:
+        assert "previous checkpoint is still the latest" in str(error)
+        assert checkpoints.available_steps(directory) == [1]
+        check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 1)
+        print(f"OK {mode} {pid}", flush=True)
+        os._exit(0)  # the peer is gone: skip the distributed shutdown handshake
+    raise AssertionError("save with a dead peer did not time out")
+print(f"OK {mode} {pid}", flush=True)
+if count > 1:
+    jax.distributed.shutdown()

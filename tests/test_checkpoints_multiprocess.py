@@ -1,0 +1,82 @@
+"""Multi-process checkpoints with real jax.distributed processes on loopback."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+TIMEOUT_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(mode, count, *dirs, expected_exit=None):
+    """Runs `count` worker processes; each must print its OK line, except the processes in
+    `expected_exit` ({process: exit code}), which must die with that code."""
+    expected_exit = expected_exit or {}
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, WORKER, mode, str(i), str(count), port, *map(str, dirs)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(count)
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            out, _ = process.communicate(timeout=TIMEOUT_S)
+            outputs.append(out)
+    finally:
+        for process in processes:  # never leave a straggler behind
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for i, (process, out) in enumerate(zip(processes, outputs, strict=True)):
+        if i in expected_exit:
+            assert process.returncode == expected_exit[i], f"process {i}:\n{out[-3000:]}"
+        else:
+            assert f"OK {mode} {i}" in out, (
+                f"process {i} exited {process.returncode}:\n{out[-3000:]}"
+            )
+
+
+@pytest.mark.slow
+def test_two_processes_save_retain_overwrite_restore_and_reshard_both_ways(tmp_path):
+    saved, back = tmp_path / "two_by_two", tmp_path / "one_by_eight"
+    _run_job("save_restore", 2, saved)
+    assert sorted(os.listdir(saved)) == ["checkpoint_2.shards"]
+    assert sorted(os.listdir(saved / "checkpoint_2.shards")) == [
+        "index.safetensors",
+        "process_00000.safetensors",
+        "process_00001.safetensors",
+    ]
+    _run_job("reshard_to_one", 1, saved, back)
+    _run_job("reshard_back", 2, back)
+
+
+@pytest.mark.slow
+def test_four_processes_save_and_restore(tmp_path):
+    _run_job("save_restore", 4, tmp_path)
+
+
+@pytest.mark.slow
+def test_peer_dying_mid_save_times_out_and_keeps_previous_checkpoint(tmp_path):
+    _run_job("peer_dies", 2, tmp_path, expected_exit={1: 3})
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
+        "checkpoint_1.shards"
+    ]
