@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
@@ -101,8 +100,7 @@ def save_checkpoint(
     `TypeError` naming the leaf path for a dtype safetensors cannot hold, `OSError` when the
     disk is full (previous checkpoints untouched, no temporary file left behind).
     """
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"save_checkpoint: keep must be an int >= 1, got {keep!r}.")
+    _files.check_keep(keep, "save_checkpoint")
     _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint")
 
     def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
@@ -147,21 +145,8 @@ def save_with_policy(
         async_manager.wait_previous_save()
     description, tensors = _format.describe(target)
     final_path = os.path.join(ckpt_dir, _files.checkpoint_name(prefix, step))
-    existing = _files.list_checkpoints(ckpt_dir, prefix)
-    new_value = Decimal(str(step))
-    if existing and not overwrite and new_value <= existing[-1][0]:
-        raise ValueError(
-            f"{caller}: a checkpoint at step {existing[-1][1]} already exists in "
-            f"{ckpt_dir} and step {step} is not newer. Pass overwrite=True to replace it "
-            f"(this also deletes every newer checkpoint)."
-        )
-    metadata = {
-        "eqx_train.format": _format.FORMAT_NAME,
-        "eqx_train.format_version": str(_format.FORMAT_VERSION),
-        "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
-        "eqx_train.tree": json.dumps(description, separators=(",", ":")),
-        **(extra_metadata or {}),
-    }
+    new_value = _files.check_newer(ckpt_dir, prefix, step, overwrite, caller)
+    metadata = {**_format.base_metadata(step, description), **(extra_metadata or {})}
     if async_manager is not None:
         # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
         tensors = [_snapshot(t) for t in tensors]

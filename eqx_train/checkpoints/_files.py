@@ -65,6 +65,24 @@ def parse_step(text: str, step_type: Callable[[str], Any]) -> Any:
     return step_type(text)
 
 
+def check_keep(keep: Any, caller: str) -> None:
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
+
+
+def check_newer(ckpt_dir: str, prefix: str, step: Any, overwrite: bool, caller: str) -> Decimal:
+    """`step` as a Decimal; raises unless it is newer than every checkpoint or `overwrite`."""
+    existing = list_checkpoints(ckpt_dir, prefix)
+    new_value = Decimal(str(step))
+    if existing and not overwrite and new_value <= existing[-1][0]:
+        raise ValueError(
+            f"{caller}: a checkpoint at step {existing[-1][1]} already exists in {ckpt_dir} "
+            f"and step {step} is not newer. Pass overwrite=True to replace it (this also "
+            "deletes every newer checkpoint)."
+        )
+    return new_value
+
+
 def check_keep_every_n_steps(value: Any, caller: str) -> None:
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, int | float) or value <= 0

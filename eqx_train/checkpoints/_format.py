@@ -283,6 +283,16 @@ class Header:
         return json.loads(self.metadata["eqx_train.tree"])
 
 
+def base_metadata(step: Any, description: Any) -> dict[str, str]:
+    """The `__metadata__` entries every eqx_train checkpoint (file or index) carries."""
+    return {
+        "eqx_train.format": FORMAT_NAME,
+        "eqx_train.format_version": str(FORMAT_VERSION),
+        "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
+        "eqx_train.tree": json.dumps(description, separators=(",", ":")),
+    }
+
+
 def encode_header(tensors: Sequence[TensorLeaf], metadata: dict[str, str]) -> bytes:
     entries: dict[str, Any] = {"__metadata__": metadata}
     offset = 0

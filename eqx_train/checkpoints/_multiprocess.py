@@ -138,21 +138,15 @@ def save_checkpoint_multiprocess(
     from ._checkpoints import _check_step, apply_retention
 
     _check_step(step, "save_checkpoint_multiprocess")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"save_checkpoint_multiprocess: keep must be an int >= 1, got {keep!r}.")
+    _files.check_keep(keep, "save_checkpoint_multiprocess")
     _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint_multiprocess")
     ckpt_dir = os.fspath(ckpt_dir)
     pid, count = jax.process_index(), jax.process_count()
     if async_manager is not None:
         async_manager.wait_previous_save()
-    existing = _files.list_checkpoints(ckpt_dir, prefix)
-    new_value = Decimal(str(step))
-    if existing and not overwrite and new_value <= existing[-1][0]:
-        raise ValueError(
-            f"save_checkpoint_multiprocess: a checkpoint at step {existing[-1][1]} already "
-            f"exists in {ckpt_dir} and step {step} is not newer. Pass overwrite=True to "
-            "replace it (this also deletes every newer checkpoint)."
-        )
+    new_value = _files.check_newer(
+        ckpt_dir, prefix, step, overwrite, "save_checkpoint_multiprocess"
+    )
     description, tensors = _format.describe(target, allow_global=True)
     token = _broadcast_token(timeout_s)
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -249,10 +243,7 @@ def _write_index(temp_dir: str, count: int, description: Any, tensors: list, ste
                 f"{math.prod(entry['shape'])} elements of '{leaf}'; some shard has no owner."
             )
     metadata = {
-        "eqx_train.format": _format.FORMAT_NAME,
-        "eqx_train.format_version": str(_format.FORMAT_VERSION),
-        "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
-        "eqx_train.tree": json.dumps(description, separators=(",", ":")),
+        **_format.base_metadata(step, description),
         _ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
     }
     header = _format.encode_header([], metadata)
