@@ -153,6 +153,7 @@ def save_checkpoint_multiprocess(
     name = f"{prefix}{step}{_files.SHARDED_SUFFIX}"
     final_dir = os.path.join(ckpt_dir, name)
     temp_dir = os.path.join(ckpt_dir, f".{name}{_files.TEMP_MARK}{token}")
+    commit_marker = os.path.join(ckpt_dir, f".{name}.committing-{token}")
     os.makedirs(temp_dir, exist_ok=True)
 
     pieces: list[tuple[str, str, list[list[int]], Any]] = []
@@ -186,7 +187,10 @@ def save_checkpoint_multiprocess(
         _files.atomic_write(os.path.join(temp_dir, f"done_{pid:05d}"), lambda fd: None)
         if pid != 0:
             # Committed when process 0 has renamed the unique temporary directory away.
+            # Done when process 0 has renamed the (unique) temporary directory away and then,
+            # after retention, removed the commit marker it created before the rename.
             _wait_gone(temp_dir, timeout_s)
+            _wait_gone(commit_marker, timeout_s)
             return
         _wait_for(
             lambda: [os.path.join(temp_dir, f"done_{i:05d}") for i in range(count)],
@@ -196,12 +200,14 @@ def save_checkpoint_multiprocess(
         _write_index(temp_dir, count, description, tensors, step)
         for i in range(count):
             _files.remove_files([os.path.join(temp_dir, f"done_{i:05d}")])
+        _files.atomic_write(commit_marker, lambda fd: None)
         _commit_directory(temp_dir, final_dir)
 
         def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
             return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
 
         apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=flax_retention)
+        _files.remove_files([commit_marker])
 
     tensors_by_name = {t.name: t for t in tensors}
     if async_manager is not None:
@@ -285,11 +291,22 @@ class ShardedReader:
         entry = self.arrays[name]
         return tuple(entry["shape"]), _format._CODE_TO_DTYPE[entry["dtype"]]
 
-    def _read_piece(self, piece: dict[str, Any]) -> np.ndarray:
+    def _read_rows(self, piece: dict[str, Any], first: int, stop: int) -> np.ndarray:
+        """Rows `[first, stop)` (along axis 0, relative to the piece) of a piece: one
+        contiguous byte range of its C-ordered data, so nothing else is read."""
         path = os.path.join(self.directory, piece["file"])
         if path not in self._headers:
             self._headers[path] = _format.read_header(path)
         info = self._headers[path].tensors[piece["tensor"]]
+        if info.shape:
+            row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+            info = _format.TensorInfo(
+                info.name,
+                info.dtype,
+                (stop - first, *info.shape[1:]),
+                info.start + first * row_bytes,
+                (stop - first) * row_bytes,
+            )
         fd = os.open(path, os.O_RDONLY)
         try:
             return _format.read_tensor(fd, info, path)
@@ -297,28 +314,34 @@ class ShardedReader:
             os.close(fd)
 
     def read_block(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """The block `index` (default: all) of array `name`, reading only the pieces that
-        overlap it."""
+        """The block `index` (default: all) of array `name`. Only pieces that overlap it are
+        touched, and of each only the rows (axis 0) that overlap, as one ranged read."""
         shape, dtype = self.info(name)
         bounds = [
             (0, d) if index is None else (sl.start or 0, d if sl.stop is None else sl.stop)
             for d, sl in zip(shape, index or [slice(None)] * len(shape), strict=True)
         ]
         out = np.empty([b - a for a, b in bounds], dtype=dtype)
+        if not shape:  # a scalar: one piece holds it
+            out[()] = self._read_rows(self.arrays[name]["pieces"][0], 0, 0)
+            return out
         for piece in self.arrays[name]["pieces"]:
             overlap = [
                 (max(a, pa), min(b, pb))
                 for (a, b), (pa, pb) in zip(bounds, piece["index"], strict=True)
             ]
-            if any(lo >= hi for lo, hi in overlap) and math.prod(shape):
+            if any(lo >= hi for lo, hi in overlap):
                 continue
-            data = self._read_piece(piece)
+            (first, stop), (piece_first, _) = overlap[0], piece["index"][0]
+            rows = self._read_rows(piece, first - piece_first, stop - piece_first)
+            starts = [first] + [
+                pa for _, (pa, _) in zip(overlap[1:], piece["index"][1:], strict=True)
+            ]
             src = tuple(
-                slice(lo - pa, hi - pa)
-                for (lo, hi), (pa, _) in zip(overlap, piece["index"], strict=True)
+                slice(lo - st, hi - st) for (lo, hi), st in zip(overlap, starts, strict=True)
             )
             dst = tuple(
                 slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, bounds, strict=True)
             )
-            out[dst] = data[src]
+            out[dst] = rows[src]
         return out
