@@ -100,6 +100,22 @@ elif mode == "reshard_back":  # 2 processes x 2 devices read a 1 x 8 checkpoint
         },
     )
     check(restored, 7)
+elif mode == "manager":
+    manager = checkpoints.CheckpointManager(
+        directory, keep_latest=1, keep_best=1, best_metric="loss", timeout_s=60
+    )
+    for step, loss in zip((1, 2, 3, 4), (0.5, 0.1, 0.4, 0.3), strict=True):
+        manager.save(
+            step,
+            global_tree(step, mesh_1d, P("d")),
+            metrics={"loss": loss},
+            metadata={"lr": 0.01, "step": step},
+        )
+    assert manager.all_steps() == [2, 4], manager.all_steps()
+    assert manager.best_step() == 2 and manager.metrics(2) == {"loss": 0.1}
+    assert manager.metadata(4) == {"lr": 0.01, "step": 4}
+    check(manager.restore(global_tree(0, mesh_1d, P("d")), step="best"), 2)
+    check(manager.restore(global_tree(0, mesh_1d, P("d"))), 4)
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

@@ -70,6 +70,12 @@ def test_two_processes_save_retain_overwrite_restore_and_reshard_both_ways(tmp_p
 
 
 @pytest.mark.slow
+def test_checkpoint_manager_across_two_processes(tmp_path):
+    _run_job("manager", 2, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_2.shards", "checkpoint_4.shards"]
+
+
+@pytest.mark.slow
 def test_four_processes_save_and_restore(tmp_path):
     _run_job("save_restore", 4, tmp_path)
 

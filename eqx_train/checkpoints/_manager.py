@@ -10,9 +10,12 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
+import jax
+
 from . import _files, _format
 from ._async import AsyncManager
 from ._checkpoints import restore_checkpoint, save_with_policy
+from ._multiprocess import INDEX_NAME, save_multiprocess_with_policy
 
 T = TypeVar("T")
 _METRICS_KEY = "eqx_train.metrics"
@@ -24,6 +27,13 @@ def _step_from_text(text: str) -> int | float:
         return int(text)
     except ValueError:
         return float(text)
+
+
+def _read_checkpoint_header(path: str) -> _format.Header:
+    """The header holding a checkpoint's metadata: the file's, or a `.shards` index's."""
+    if os.path.isdir(path):
+        return _format.read_header(os.path.join(path, INDEX_NAME))
+    return _format.read_header(path)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -64,6 +74,7 @@ class CheckpointManager:
     - `async_save`: write in a background thread (one save in flight). The state is
       snapshotted at `save`; an error in the background is raised by the next `save`,
       `wait` or `close` (or when leaving a `with` block).
+    - `timeout_s`: in a multi-process job, how long to wait for the other processes.
 
     On creation the manager removes temporary files left by a killed save of this
     directory and prefix (only files named as this library names them, and only if the
@@ -80,8 +91,11 @@ class CheckpointManager:
     state, stopper = mgr.restore((state, stopper), step="best")
     ```
 
-    Single host: with several processes, only process 0 should create a manager and save
-    (multi-process checkpoints are not implemented yet).
+    **Multi-process jobs:** create the manager and call `save` on every process of a
+    `jax.distributed` job with the same arguments; it then saves with
+    `save_checkpoint_multiprocess` (each process writes its own shards, `timeout_s` bounds
+    the waits) and process 0 applies the retention policy. Reading methods work on every
+    process.
     """
 
     def __init__(
@@ -95,6 +109,7 @@ class CheckpointManager:
         keep_every_n_steps: int | float | None = None,
         prefix: str = "checkpoint_",
         async_save: bool = False,
+        timeout_s: float = 300.0,
     ):
         if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
             raise ValueError(
@@ -124,6 +139,7 @@ class CheckpointManager:
         self.mode = mode
         self.keep_every_n_steps = keep_every_n_steps
         self.prefix = prefix
+        self.timeout_s = timeout_s
         self._async = AsyncManager() if async_save else None
         os.makedirs(self.directory, exist_ok=True)
         self._remove_leftover_temporaries()
@@ -156,17 +172,19 @@ class CheckpointManager:
             _METRICS_KEY: self._encode_metrics(metrics),
             _USER_METADATA_KEY: self._encode_metadata(metadata),
         }
-        return save_with_policy(
-            self.directory,
-            state,
-            step,
-            prefix=self.prefix,
-            overwrite=overwrite,
-            retention=self._to_delete,
-            async_manager=self._async,
-            extra_metadata=extra,
-            caller="CheckpointManager.save",
-        )
+        common = {
+            "prefix": self.prefix,
+            "overwrite": overwrite,
+            "retention": self._to_delete,
+            "async_manager": self._async,
+            "extra_metadata": extra,
+            "caller": "CheckpointManager.save",
+        }
+        if jax.process_count() > 1:
+            return save_multiprocess_with_policy(
+                self.directory, state, step, timeout_s=self.timeout_s, **common
+            )
+        return save_with_policy(self.directory, state, step, **common)
 
     def wait(self) -> None:
         """Blocks until the background save (if any) is done; raises its error if it failed."""
@@ -248,11 +266,11 @@ class CheckpointManager:
         )
 
     def _header(self, step: int | float) -> _format.Header:
-        return _format.read_header(self._path(step))
+        return _read_checkpoint_header(self._path(step))
 
     def _metric_of(self, text: str) -> float | None:
-        path = os.path.join(self.directory, f"{self.prefix}{text}{_files.SUFFIX}")
-        raw = _format.read_header(path).metadata.get(_METRICS_KEY)
+        paths = {t: path for _, t, path in self._listing()}
+        raw = _read_checkpoint_header(paths[text]).metadata.get(_METRICS_KEY)
         value = (json.loads(raw) or {}).get(self.best_metric or "") if raw else None
         if value is None or not isinstance(value, int | float) or math.isnan(value):
             return None

@@ -135,18 +135,48 @@ def save_checkpoint_multiprocess(
     `ckpt_dir` must be the same shared directory on every process. Returns the path of the
     checkpoint directory, `{ckpt_dir}/{prefix}{step}.shards`.
     """
-    from ._checkpoints import _check_step, apply_retention
-
-    _check_step(step, "save_checkpoint_multiprocess")
     _files.check_keep(keep, "save_checkpoint_multiprocess")
     _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint_multiprocess")
+
+    def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
+        return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
+
+    return save_multiprocess_with_policy(
+        ckpt_dir,
+        target,
+        step,
+        prefix=prefix,
+        overwrite=overwrite,
+        retention=flax_retention,
+        async_manager=async_manager,
+        timeout_s=timeout_s,
+        caller="save_checkpoint_multiprocess",
+    )
+
+
+def save_multiprocess_with_policy(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any,
+    step: int | float,
+    *,
+    prefix: str,
+    overwrite: bool,
+    retention: Callable[[list[tuple[Decimal, str]]], list[str]],
+    async_manager: AsyncManager | None,
+    timeout_s: float,
+    caller: str,
+    extra_metadata: dict[str, str] | None = None,
+) -> str:
+    """The multi-process save shared by `save_checkpoint_multiprocess` and
+    `CheckpointManager`; `retention` runs on process 0 after the commit."""
+    from ._checkpoints import _check_step, apply_retention
+
+    _check_step(step, caller)
     ckpt_dir = os.fspath(ckpt_dir)
     pid, count = jax.process_index(), jax.process_count()
     if async_manager is not None:
         async_manager.wait_previous_save()
-    new_value = _files.check_newer(
-        ckpt_dir, prefix, step, overwrite, "save_checkpoint_multiprocess"
-    )
+    new_value = _files.check_newer(ckpt_dir, prefix, step, overwrite, caller)
     description, tensors = _format.describe(target, allow_global=True)
     token = _broadcast_token(timeout_s)
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -186,7 +216,6 @@ def save_checkpoint_multiprocess(
         _files.atomic_write(os.path.join(temp_dir, _process_file(pid)), write)
         _files.atomic_write(os.path.join(temp_dir, f"done_{pid:05d}"), lambda fd: None)
         if pid != 0:
-            # Committed when process 0 has renamed the unique temporary directory away.
             # Done when process 0 has renamed the (unique) temporary directory away and then,
             # after retention, removed the commit marker it created before the rename.
             _wait_gone(temp_dir, timeout_s)
@@ -197,16 +226,12 @@ def save_checkpoint_multiprocess(
             timeout_s,
             "every process to write its shards",
         )
-        _write_index(temp_dir, count, description, tensors, step)
+        _write_index(temp_dir, count, description, tensors, step, extra_metadata or {})
         for i in range(count):
             _files.remove_files([os.path.join(temp_dir, f"done_{i:05d}")])
         _files.atomic_write(commit_marker, lambda fd: None)
         _commit_directory(temp_dir, final_dir)
-
-        def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
-            return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
-
-        apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=flax_retention)
+        apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention)
         _files.remove_files([commit_marker])
 
     tensors_by_name = {t.name: t for t in tensors}
@@ -229,7 +254,9 @@ def _wait_gone(path: str, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
-def _write_index(temp_dir: str, count: int, description: Any, tensors: list, step: Any) -> None:
+def _write_index(
+    temp_dir: str, count: int, description: Any, tensors: list, step: Any, extra: dict[str, str]
+) -> None:
     arrays: dict[str, dict[str, Any]] = {
         t.name: {"shape": list(t.shape), "dtype": _format.dtype_code(t.dtype, t.name), "pieces": []}
         for t in tensors
@@ -251,6 +278,7 @@ def _write_index(temp_dir: str, count: int, description: Any, tensors: list, ste
     metadata = {
         **_format.base_metadata(step, description),
         _ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
+        **extra,
     }
     header = _format.encode_header([], metadata)
     _files.atomic_write(
