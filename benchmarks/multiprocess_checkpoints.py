@@ -21,7 +21,9 @@ import tempfile
 import time
 
 
-def worker(pid: int, count: int, port: str, mib: int, repeats: int, directory: str) -> None:
+def worker(
+    pid: int, count: int, port: str, mib: int, repeats: int, directory: str, method: str
+) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // count}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -52,13 +54,26 @@ def worker(pid: int, count: int, port: str, mib: int, repeats: int, directory: s
         ),
     )
     jax.block_until_ready(array)
+    if method == "orbax":
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+
+        def save(step):
+            checkpointer.save(os.path.join(directory, f"orbax_{step}"), {"w": array})
+            checkpointer.wait_until_finished()
+    else:
+
+        def save(step):
+            checkpoints.save_checkpoint_multiprocess(directory, {"w": array}, step, keep=1)
+
     times = []
     for step in range(repeats + 1):
         barrier()
         os.sync()
         barrier()
         start = time.perf_counter()
-        checkpoints.save_checkpoint_multiprocess(directory, {"w": array}, step, keep=1)
+        save(step)
         barrier()
         times.append(time.perf_counter() - start)
     if pid == 0:
@@ -67,7 +82,7 @@ def worker(pid: int, count: int, port: str, mib: int, repeats: int, directory: s
         jax.distributed.shutdown()
 
 
-def run_job(count: int, mib: int, repeats: int) -> float:
+def run_job(count: int, mib: int, repeats: int, method: str = "eqx_train") -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -84,6 +99,7 @@ def run_job(count: int, mib: int, repeats: int) -> float:
                 str(mib),
                 str(repeats),
                 directory,
+                method,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -98,8 +114,8 @@ def run_job(count: int, mib: int, repeats: int) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        pid, count, port, mib, repeats, directory = sys.argv[2:8]
-        worker(int(pid), int(count), port, int(mib), int(repeats), directory)
+        pid, count, port, mib, repeats, directory, method = sys.argv[2:9]
+        worker(int(pid), int(count), port, int(mib), int(repeats), directory, method)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=512)
@@ -107,21 +123,28 @@ def main() -> None:
     args = parser.parse_args()
     one = run_job(1, args.mib, args.repeats)
     two = run_job(2, args.mib, args.repeats)
+    try:
+        import orbax.checkpoint  # noqa: F401
+
+        orbax_two: float | None = run_job(2, args.mib, args.repeats, "orbax")
+    except (ImportError, subprocess.SubprocessError, IndexError, ValueError):
+        orbax_two = None
     gib = args.mib / 1024
     print(f"\nsave of {args.mib} MiB sharded over 4 CPU devices, median of {args.repeats}")
     print(f"1 process x 4 devices : {one * 1e3:8.0f} ms  {gib / one:6.2f} GiB/s")
     print(f"2 processes x 2 devices: {two * 1e3:8.0f} ms  {gib / two:6.2f} GiB/s aggregate")
+    if orbax_two is not None:
+        print(f"orbax, 2 processes     : {orbax_two * 1e3:8.0f} ms  {gib / orbax_two:6.2f} GiB/s")
     scaling = (gib / two) / (2 * gib / one)
-    print(
-        json.dumps(
-            {
-                "benchmark": "multiprocess_checkpoints",
-                "one_process_s": round(one, 3),
-                "two_process_s": round(two, 3),
-                "aggregate_vs_twice_single": round(scaling, 3),
-            }
-        )
-    )
+    summary = {
+        "benchmark": "multiprocess_checkpoints",
+        "one_process_s": round(one, 3),
+        "two_process_s": round(two, 3),
+        "aggregate_vs_twice_single": round(scaling, 3),
+    }
+    if orbax_two is not None:
+        summary["orbax_two_process_vs_ours"] = round(orbax_two / two, 2)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
