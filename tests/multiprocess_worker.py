@@ -73,6 +73,23 @@ if mode == "save_restore":
     assert checkpoints.available_steps(directory) == [2]
     restored = checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d")))
     check(restored, 20)
+    # The path the save returns is itself restorable.
+    path = os.path.join(directory, "checkpoint_2.shards")
+    check(checkpoints.restore_checkpoint(path, global_tree(0, mesh_1d, P("d"))), 20)
+    # Asynchronous multi-process saves: snapshot at the call, one in flight, errors kept.
+    manager = checkpoints.AsyncManager()
+    for step in (30, 31):
+        checkpoints.save_checkpoint_multiprocess(
+            directory + "_async",
+            global_tree(step, mesh_1d, P("d")),
+            step,
+            keep=1,
+            async_manager=manager,
+            timeout_s=60,
+        )
+    manager.wait_previous_save()
+    assert checkpoints.available_steps(directory + "_async") == [31]
+    check(checkpoints.restore_checkpoint(directory + "_async", global_tree(0, mesh_1d, P("d"))), 31)
     try:
         checkpoints.save_checkpoint(directory + "_single", global_tree(1, mesh_1d, P("d")), 1)
     except ValueError as error:

@@ -198,11 +198,11 @@ def available_steps(
 
 
 def _resolve_path(ckpt_dir: str, step: Any, prefix: str) -> str | None:
-    if os.path.isfile(ckpt_dir):
+    if os.path.isfile(ckpt_dir) or _multiprocess.is_sharded_checkpoint(ckpt_dir):
         if step is not None:
             raise ValueError(
-                f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a file; pass "
-                "the directory to choose a step."
+                f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a checkpoint, "
+                "not a directory of checkpoints; pass the directory to choose a step."
             )
         return ckpt_dir
     if not os.path.isdir(ckpt_dir):
