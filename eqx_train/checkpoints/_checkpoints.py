@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from decimal import Decimal
 from typing import Any, TypeVar
 
 import jax
@@ -22,35 +19,6 @@ from ._async import AsyncManager
 T = TypeVar("T")
 _PARALLEL_MIN_BYTES = 16 << 20
 _MAX_LISTED_PROBLEMS = 20
-
-
-def _check_step(step: Any, caller: str) -> None:
-    if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
-        raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
-    if not math.isfinite(step):
-        raise ValueError(f"{caller}: step must be finite, got {step!r}.")
-
-
-def apply_retention(
-    ckpt_dir: str, prefix: str, new_value: Decimal, *, overwrite: bool, retention: Retention
-) -> None:
-    """After a commit: with `overwrite`, remove steps newer than the new one; then the steps
-    `retention` names. Files and multi-process checkpoint directories alike."""
-    listing = _files.list_checkpoints(ckpt_dir, prefix)
-    paths = {text: path for _, text, path in listing}
-    steps = [(value, text) for value, text, _ in listing]
-    doomed: list[str] = []
-    if overwrite:
-        doomed += [text for value, text in steps if value > new_value]
-        steps = [(value, text) for value, text in steps if value <= new_value]
-    doomed += retention(steps)
-    _files.remove_files([paths[text] for text in doomed])
-
-
-def _snapshot(tensor: _format.TensorLeaf) -> _format.TensorLeaf:
-    """The tensor with its value copied to host memory now."""
-    value = np.array(tensor.get(), copy=True)
-    return replace(tensor, get=lambda: value)
 
 
 def save_checkpoint(
@@ -100,25 +68,16 @@ def save_checkpoint(
     `TypeError` naming the leaf path for a dtype safetensors cannot hold, `OSError` when the
     disk is full (previous checkpoints untouched, no temporary file left behind).
     """
-    _files.check_keep(keep, "save_checkpoint")
-    _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint")
-
-    def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
-        return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
-
     return save_with_policy(
         ckpt_dir,
         target,
         step,
         prefix=prefix,
         overwrite=overwrite,
-        retention=flax_retention,
+        retention=_files.flax_retention(keep, keep_every_n_steps, "save_checkpoint"),
         async_manager=async_manager,
         caller="save_checkpoint",
     )
-
-
-Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
 
 
 def save_with_policy(
@@ -128,7 +87,7 @@ def save_with_policy(
     *,
     prefix: str,
     overwrite: bool,
-    retention: Retention,
+    retention: _files.Retention,
     async_manager: AsyncManager | None,
     extra_metadata: dict[str, str] | None = None,
     caller: str,
@@ -138,7 +97,7 @@ def save_with_policy(
     Writes the file atomically, then (after it is durable) removes newer steps when
     `overwrite`, and the steps `retention(steps_oldest_first)` names.
     """
-    _check_step(step, caller)
+    _files.check_step(step, caller)
     ckpt_dir = os.fspath(ckpt_dir)
     os.makedirs(ckpt_dir, exist_ok=True)
     if async_manager is not None:
@@ -149,7 +108,7 @@ def save_with_policy(
     metadata = {**_format.base_metadata(step, description), **(extra_metadata or {})}
     if async_manager is not None:
         # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
-        tensors = [_snapshot(t) for t in tensors]
+        tensors = [_format.snapshot(t) for t in tensors]
     header = _format.encode_header(tensors, metadata)
 
     def write(fd: int) -> None:
@@ -158,7 +117,9 @@ def save_with_policy(
 
     def commit() -> None:
         _files.atomic_write(final_path, write)
-        apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention)
+        _files.apply_retention(
+            ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention
+        )
 
     if async_manager is not None:
         async_manager.save_async(commit)
@@ -210,10 +171,9 @@ def _resolve_path(ckpt_dir: str, step: Any, prefix: str) -> str | None:
     found = _files.list_checkpoints(ckpt_dir, prefix)
     if step is None:
         return found[-1][2] if found else None
-    wanted = Decimal(str(step))
-    for value, _, path in found:
-        if value == wanted:
-            return path
+    path = _files.find_step(found, step)
+    if path is not None:
+        return path
     available = [text for _, text, _ in found]
     raise ValueError(
         f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
@@ -430,10 +390,13 @@ def _restore_sharded(path: str, target: Any, strict: bool) -> Any:
             and not (_format.is_prng_key(leaf))
         ):
             shape = tuple(leaf.shape)
-            blocks = [
-                jax.device_put(reader.read_block(name, idx), device)
-                for device, idx in sharding.addressable_devices_indices_map(shape).items()
-            ]
+            read: dict[Any, np.ndarray] = {}  # a slice several devices hold is read once
+            blocks = []
+            for device, idx in sharding.addressable_devices_indices_map(shape).items():
+                key = tuple((sl.start, sl.stop) for sl in idx)
+                if key not in read:
+                    read[key] = reader.read_block(name, idx)
+                blocks.append(jax.device_put(read[key], device))
             leaves[index] = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
         else:
             leaves[index] = expected.build(reader.read_block(name))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -10,6 +11,8 @@ import uuid
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
+
+import numpy as np
 
 SUFFIX = ".safetensors"
 SHARDED_SUFFIX = ".shards"  # a multi-process checkpoint: a directory of shard files + index
@@ -65,6 +68,16 @@ def parse_step(text: str, step_type: Callable[[str], Any]) -> Any:
     return step_type(text)
 
 
+Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
+
+
+def check_step(step: Any, caller: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
+        raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
+    if not math.isfinite(step):
+        raise ValueError(f"{caller}: step must be finite, got {step!r}.")
+
+
 def check_keep(keep: Any, caller: str) -> None:
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
@@ -116,6 +129,39 @@ def steps_to_delete(
     return doomed
 
 
+def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention:
+    """Validates `keep` / `keep_every_n_steps` and returns flax's retention rule for them."""
+    check_keep(keep, caller)
+    check_keep_every_n_steps(keep_every_n_steps, caller)
+
+    def retention(steps: list[tuple[Decimal, str]]) -> list[str]:
+        return steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
+
+    return retention
+
+
+def apply_retention(
+    ckpt_dir: str, prefix: str, new_value: Decimal, *, overwrite: bool, retention: Retention
+) -> None:
+    """After a commit: with `overwrite`, remove steps newer than the new one; then the steps
+    `retention` names. Files and multi-process checkpoint directories alike."""
+    listing = list_checkpoints(ckpt_dir, prefix)
+    paths = {text: path for _, text, path in listing}
+    steps = [(value, text) for value, text, _ in listing]
+    doomed: list[str] = []
+    if overwrite:
+        doomed += [text for value, text in steps if value > new_value]
+        steps = [(value, text) for value, text in steps if value <= new_value]
+    doomed += retention(steps)
+    remove_files([paths[text] for text in doomed])
+
+
+def find_step(listing: list[tuple[Decimal, str, str]], step: Any) -> str | None:
+    """The path of `step` in a `list_checkpoints` result (numeric match), or None."""
+    wanted = Decimal(str(step))
+    return next((path for value, _, path in listing if value == wanted), None)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -128,6 +174,21 @@ def temp_path_for(final_path: str) -> str:
     """A unique temporary name next to `final_path` that never matches a checkpoint name."""
     directory, name = os.path.split(final_path)
     return os.path.join(directory, f".{name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex}")
+
+
+_TEMP_FILE = re.compile(rf"\.(?P<name>.+){re.escape(TEMP_MARK)}(?P<pid>\d+)-[0-9a-f]{{32}}")
+
+
+def leftover_temporaries(directory: str, prefix: str) -> list[tuple[str, int]]:
+    """`(path, writer pid)` of every temporary file `temp_path_for` made for a checkpoint
+    with this prefix in `directory` (and nothing else: other names never match)."""
+    found = []
+    final_name = _pattern(prefix)
+    for name in os.listdir(directory):
+        match = _TEMP_FILE.fullmatch(name)
+        if match and final_name.fullmatch(match.group("name")):
+            found.append((os.path.join(directory, name), int(match.group("pid"))))
+    return found
 
 
 def atomic_write(final_path: str, write: Callable[[int], None]) -> None:

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -84,6 +84,13 @@ class TensorLeaf:
     dtype: np.dtype
     shape: tuple[int, ...]
     source: Any = None
+
+
+def snapshot(tensor: TensorLeaf) -> TensorLeaf:
+    """The tensor with its value copied to host memory now (for saves that finish later,
+    after the caller may have mutated or donated the buffers)."""
+    value = np.array(tensor.get(), copy=True)
+    return replace(tensor, get=lambda: value)
 
 
 def is_prng_key(x: Any) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
@@ -256,10 +255,9 @@ class CheckpointManager:
         return _files.list_checkpoints(self.directory, self.prefix)
 
     def _path(self, step: int | float) -> str:
-        wanted = Decimal(str(step))
-        for value, _, path in self._listing():
-            if value == wanted:
-                return path
+        path = _files.find_step(self._listing(), step)
+        if path is not None:
+            return path
         raise ValueError(
             f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
             f"available steps: {self.all_steps()}."
@@ -268,9 +266,8 @@ class CheckpointManager:
     def _header(self, step: int | float) -> _format.Header:
         return _read_checkpoint_header(self._path(step))
 
-    def _metric_of(self, text: str) -> float | None:
-        paths = {t: path for _, t, path in self._listing()}
-        raw = _read_checkpoint_header(paths[text]).metadata.get(_METRICS_KEY)
+    def _metric_of(self, path: str) -> float | None:
+        raw = _read_checkpoint_header(path).metadata.get(_METRICS_KEY)
         value = (json.loads(raw) or {}).get(self.best_metric or "") if raw else None
         if value is None or not isinstance(value, int | float) or math.isnan(value):
             return None
@@ -278,7 +275,8 @@ class CheckpointManager:
 
     def _ranked(self, steps: list[tuple[Decimal, str]]) -> list[str]:
         """Step texts with a usable metric, best first (ties: newer first)."""
-        scored = [(self._metric_of(text), value, text) for value, text in steps]
+        paths = {text: path for _, text, path in self._listing()}
+        scored = [(self._metric_of(paths[text]), value, text) for value, text in steps]
         usable = [(m, value, text) for m, value, text in scored if m is not None]
         sign = 1.0 if self.mode == "min" else -1.0
         usable.sort(key=lambda item: (sign * item[0], -item[1]))
@@ -323,11 +321,10 @@ class CheckpointManager:
             ) from None
 
     def _remove_leftover_temporaries(self) -> None:
-        pattern = re.compile(
-            rf"\.{re.escape(self.prefix)}{_files.STEP_PATTERN}{re.escape(_files.SUFFIX)}"
-            rf"{re.escape(_files.TEMP_MARK)}(?P<pid>\d+)-[0-9a-f]{{32}}"
+        _files.remove_files(
+            [
+                path
+                for path, pid in _files.leftover_temporaries(self.directory, self.prefix)
+                if not _pid_alive(pid)
+            ]
         )
-        for name in os.listdir(self.directory):
-            match = pattern.fullmatch(name)
-            if match and not _pid_alive(int(match.group("pid"))):
-                _files.remove_files([os.path.join(self.directory, name)])

@@ -19,7 +19,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from decimal import Decimal
 from typing import Any
 
 import jax
@@ -71,18 +70,16 @@ def _broadcast_token(timeout_s: float) -> str:
     return "".join(f"{int(v):08x}" for v in result["token"])
 
 
-def _wait_for(paths: Callable[[], list[str]], timeout_s: float, what: str) -> None:
-    """Polls until every path in `paths()` exists, or raises BarrierTimeoutError."""
+def _wait_until(pending: Callable[[], list[str]], timeout_s: float, what: str) -> None:
+    """Polls until `pending()` (the paths still in the way) is empty, or raises
+    BarrierTimeoutError naming them."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        missing = [p for p in paths() if not os.path.exists(p)]
-        if not missing:
-            return
+    while remaining := pending():
         if time.monotonic() > deadline:
             raise BarrierTimeoutError(
-                f"save_checkpoint_multiprocess: waited {timeout_s}s for {what}; still missing: "
-                f"{[os.path.basename(p) for p in missing]}. A peer process probably died or "
-                "never called save; the previous checkpoint is still the latest."
+                f"save_checkpoint_multiprocess: waited {timeout_s}s for {what}; still waiting "
+                f"on: {[os.path.basename(p) for p in remaining]}. A peer process probably "
+                "died or never called save; the previous checkpoint is still the latest."
             )
         time.sleep(_POLL_S)
 
@@ -135,19 +132,13 @@ def save_checkpoint_multiprocess(
     `ckpt_dir` must be the same shared directory on every process. Returns the path of the
     checkpoint directory, `{ckpt_dir}/{prefix}{step}.shards`.
     """
-    _files.check_keep(keep, "save_checkpoint_multiprocess")
-    _files.check_keep_every_n_steps(keep_every_n_steps, "save_checkpoint_multiprocess")
-
-    def flax_retention(steps: list[tuple[Decimal, str]]) -> list[str]:
-        return _files.steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
-
     return save_multiprocess_with_policy(
         ckpt_dir,
         target,
         step,
         prefix=prefix,
         overwrite=overwrite,
-        retention=flax_retention,
+        retention=_files.flax_retention(keep, keep_every_n_steps, "save_checkpoint_multiprocess"),
         async_manager=async_manager,
         timeout_s=timeout_s,
         caller="save_checkpoint_multiprocess",
@@ -161,7 +152,7 @@ def save_multiprocess_with_policy(
     *,
     prefix: str,
     overwrite: bool,
-    retention: Callable[[list[tuple[Decimal, str]]], list[str]],
+    retention: _files.Retention,
     async_manager: AsyncManager | None,
     timeout_s: float,
     caller: str,
@@ -169,9 +160,7 @@ def save_multiprocess_with_policy(
 ) -> str:
     """The multi-process save shared by `save_checkpoint_multiprocess` and
     `CheckpointManager`; `retention` runs on process 0 after the commit."""
-    from ._checkpoints import _check_step, apply_retention
-
-    _check_step(step, caller)
+    _files.check_step(step, caller)
     ckpt_dir = os.fspath(ckpt_dir)
     pid, count = jax.process_index(), jax.process_count()
     if async_manager is not None:
@@ -186,72 +175,56 @@ def save_multiprocess_with_policy(
     commit_marker = os.path.join(ckpt_dir, f".{name}.committing-{token}")
     os.makedirs(temp_dir, exist_ok=True)
 
-    pieces: list[tuple[str, str, list[list[int]], Any]] = []
+    pieces: list[_format.TensorLeaf] = []
+    index: dict[str, dict[str, Any]] = {}  # piece tensor name -> its leaf and slice
     for tensor in tensors:
         for k, (ranges, get) in enumerate(_pieces_of(tensor, pid)):
-            pieces.append((f"{tensor.name}#{pid}.{k}", tensor.name, ranges, get))
+            piece_name = f"{tensor.name}#{pid}.{k}"
+            shape = tuple(b - a for a, b in ranges)
+            pieces.append(_format.TensorLeaf(piece_name, get, tensor.dtype, shape))
+            index[piece_name] = {"leaf": tensor.name, "index": ranges}
     if async_manager is not None:
-        snapshots = [np.array(get(), copy=True) for *_, get in pieces]
-        pieces = [
-            (n, leaf, r, lambda v=v: v)
-            for (n, leaf, r, _), v in zip(pieces, snapshots, strict=True)
-        ]
+        pieces = [_format.snapshot(p) for p in pieces]
 
     def write_and_commit() -> None:
-        leaves = [
-            _format.TensorLeaf(
-                tname, get, tensors_by_name[leaf].dtype, tuple(b - a for a, b in ranges)
-            )
-            for tname, leaf, ranges, get in pieces
-        ]
-        meta = {
-            _PIECES_KEY: json.dumps({t: {"leaf": leaf, "index": r} for t, leaf, r, _ in pieces})
-        }
-        header = _format.encode_header(leaves, meta)
+        meta = {_PIECES_KEY: json.dumps(index)}
+        header = _format.encode_header(pieces, meta)
 
         def write(fd: int) -> None:
             _format.write_all(fd, memoryview(header))
-            _format.write_tensors(fd, leaves)
+            _format.write_tensors(fd, pieces)
 
         _files.atomic_write(os.path.join(temp_dir, _process_file(pid)), write)
         _files.atomic_write(os.path.join(temp_dir, f"done_{pid:05d}"), lambda fd: None)
         if pid != 0:
             # Done when process 0 has renamed the (unique) temporary directory away and then,
             # after retention, removed the commit marker it created before the rename.
-            _wait_gone(temp_dir, timeout_s)
-            _wait_gone(commit_marker, timeout_s)
+            _wait_until(
+                lambda: [p for p in (temp_dir, commit_marker) if os.path.exists(p)],
+                timeout_s,
+                "process 0 to commit",
+            )
             return
-        _wait_for(
-            lambda: [os.path.join(temp_dir, f"done_{i:05d}") for i in range(count)],
+        done = [os.path.join(temp_dir, f"done_{i:05d}") for i in range(count)]
+        _wait_until(
+            lambda: [p for p in done if not os.path.exists(p)],
             timeout_s,
             "every process to write its shards",
         )
         _write_index(temp_dir, count, description, tensors, step, extra_metadata or {})
-        for i in range(count):
-            _files.remove_files([os.path.join(temp_dir, f"done_{i:05d}")])
+        _files.remove_files(done)
         _files.atomic_write(commit_marker, lambda fd: None)
         _commit_directory(temp_dir, final_dir)
-        apply_retention(ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention)
+        _files.apply_retention(
+            ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention
+        )
         _files.remove_files([commit_marker])
 
-    tensors_by_name = {t.name: t for t in tensors}
     if async_manager is not None:
         async_manager.save_async(write_and_commit)
     else:
         write_and_commit()
     return final_dir
-
-
-def _wait_gone(path: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise BarrierTimeoutError(
-                f"save_checkpoint_multiprocess: waited {timeout_s}s for process 0 to commit "
-                f"{os.path.basename(path)}. A peer process probably died; the previous "
-                "checkpoint is still the latest."
-            )
-        time.sleep(_POLL_S)
 
 
 def _write_index(
