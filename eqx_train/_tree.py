@@ -52,3 +52,16 @@ def map_arrays_with_path(fn: Callable[[str, Any], Any], tree: Any) -> Any:
         return fn(path_to_name(path), leaf) if is_array(leaf) else leaf
 
     return jtu.tree_map_with_path(visit, tree)
+
+
+def map_array_leaves_batched(fn: Callable[[list[Any]], list[Any]], tree: Any) -> Any:
+    """Replaces all array leaves of `tree` at once with `fn(list_of_array_leaves)`.
+
+    For work that should see every leaf together (one `device_put` for a whole tree);
+    non-array leaves are kept.
+    """
+    leaves, treedef = jtu.tree_flatten(tree)
+    positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    for i, new in zip(positions, fn([leaves[i] for i in positions]), strict=True):
+        leaves[i] = new
+    return jtu.tree_unflatten(treedef, leaves)

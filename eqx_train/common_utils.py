@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
 
 from ._tree import is_array, map_arrays_with_path, path_to_name
+from .jax_utils import unreplicate
 
 __all__ = ["get_metrics", "onehot", "shard", "shard_prng_key", "stack_forest"]
 
@@ -121,15 +122,6 @@ def stack_forest(forest: Sequence[PyTree]) -> PyTree:
     return jax.tree.unflatten(first_structure, stacked)
 
 
-def _first_replica(x: Any) -> Any:
-    if isinstance(x, jax.Array):
-        shard0 = x.addressable_shards[0]
-        if x.ndim > 0 and shard0.data.shape[:1] == (1,) and shard0.index[0] == slice(0, 1, None):
-            return np.asarray(shard0.data)[0]
-        return np.asarray(x[0])
-    return np.asarray(x)[0]
-
-
 def get_metrics(device_metrics: Sequence[PyTree]) -> PyTree:
     """Gathers per-step, replicated device metrics into host NumPy arrays stacked over time.
 
@@ -147,11 +139,9 @@ def get_metrics(device_metrics: Sequence[PyTree]) -> PyTree:
     !!! note "Differences from flax"
         flax's docstring promises host arrays but returns `jax.Array`s; these are NumPy.
     """
-    host = [
-        jtu.tree_map(lambda x: _first_replica(x) if is_array(x) else x, step)
-        for step in device_metrics
-    ]
-    return stack_forest(host)
+    # One replica per step, read from its own device, then one transfer for everything.
+    host = jax.device_get([unreplicate(step) for step in device_metrics])
+    return stack_forest(jtu.tree_map(lambda x: np.asarray(x) if is_array(x) else x, host))
 
 
 def onehot(

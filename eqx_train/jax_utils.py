@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._tree import is_array, path_to_name
+from ._tree import is_array, map_array_leaves_batched, path_to_name
 
 __all__ = [
     "pad_shard_unpad",
@@ -44,10 +44,6 @@ def _device_axis_sharding(devices: Sequence[Device]) -> NamedSharding:
     """Leading axis split over `devices` in order: the layout `jax.pmap` expects."""
     mesh = Mesh(np.asarray(devices), (_AXIS,))
     return NamedSharding(mesh, PartitionSpec(_AXIS))
-
-
-def _is_data(x: Any) -> bool:
-    return is_array(x)
 
 
 def replicate(tree: PyTree, devices: Sequence[Device] | None = None) -> PyTree:
@@ -75,17 +71,20 @@ def replicate(tree: PyTree, devices: Sequence[Device] | None = None) -> PyTree:
     if not devices:
         raise ValueError("replicate: `devices` is empty.")
     target = _device_axis_sharding(devices)
-    leaves, treedef = jtu.tree_flatten(tree)
-    positions = [i for i, leaf in enumerate(leaves) if _is_data(leaf)]
-    if all(d.platform == "cpu" for d in devices):
-        per_device = _replicate_on_cpu([leaves[i] for i in positions], devices)
-    else:
-        per_device = _replicate_by_transfer([leaves[i] for i in positions], devices, target)
-    for i, buffers in zip(positions, per_device, strict=True):
-        leaves[i] = jax.make_array_from_single_device_arrays(
-            (len(devices), *buffers[0].shape[1:]), target, buffers
-        )
-    return jtu.tree_unflatten(treedef, leaves)
+
+    def replicate_all(leaves: list[Any]) -> list[jax.Array]:
+        if all(d.platform == "cpu" for d in devices):
+            per_device = _replicate_on_cpu(leaves, devices)
+        else:
+            per_device = _replicate_by_transfer(leaves, devices, target)
+        return [
+            jax.make_array_from_single_device_arrays(
+                (len(devices), *buffers[0].shape[1:]), target, buffers
+            )
+            for buffers in per_device
+        ]
+
+    return map_array_leaves_batched(replicate_all, tree)
 
 
 def _replicate_by_transfer(
@@ -135,11 +134,11 @@ def _replicate_on_cpu(leaves: list[Any], devices: list[Device]) -> list[list[jax
 
 
 def _one_replica(x: Any) -> Any:
-    """One replica of `x`, or `(host_view, device)` when it is best made by one batched
-    `device_put` (CPU: JAX adopts a read-only NumPy view of the buffer without copying, and
-    keeps the source alive, declining to donate it, while the view lives)."""
+    """One replica of array `x`, or `(host_view, device)` when it is best made by the batched
+    `device_put` in `unreplicate` (CPU: JAX adopts a read-only NumPy view of the buffer
+    without copying, and keeps the source alive, declining to donate it, while it lives)."""
     if not isinstance(x, jax.Array):
-        return x[0] if isinstance(x, np.ndarray) and x.ndim else x
+        return x[0] if x.ndim else x
     if x.ndim == 0:
         return x
     data = x.addressable_shards[0].data
@@ -149,15 +148,18 @@ def _one_replica(x: Any) -> Any:
         return x[0]
     (device,) = data.devices()
     if device.platform == "cpu" and not jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
-        return _Pending(np.asarray(data)[0], device)
+        return (np.asarray(data)[0], device)
     return data.reshape(data.shape[1:])
 
 
-class _Pending(tuple):
-    """A host view waiting for the batched transfer in `unreplicate`."""
-
-    def __new__(cls, view: np.ndarray, device: Device) -> _Pending:
-        return super().__new__(cls, (view, device))
+def _unreplicate_all(leaves: list[Any]) -> list[Any]:
+    results = [_one_replica(leaf) for leaf in leaves]
+    pending = [i for i, r in enumerate(results) if isinstance(r, tuple)]
+    if pending:
+        views, devices = zip(*(results[i] for i in pending), strict=True)
+        for i, array in zip(pending, jax.device_put(list(views), list(devices)), strict=True):
+            results[i] = array
+    return results
 
 
 def unreplicate(tree: PyTree) -> PyTree:
@@ -177,14 +179,7 @@ def unreplicate(tree: PyTree) -> PyTree:
 
     The pytree with each array leaf's leading device axis removed.
     """
-    leaves, treedef = jtu.tree_flatten(tree)
-    results = [_one_replica(leaf) for leaf in leaves]
-    pending = [i for i, r in enumerate(results) if isinstance(r, _Pending)]
-    if pending:
-        placed = jax.device_put([results[i][0] for i in pending], [results[i][1] for i in pending])
-        for i, array in zip(pending, placed, strict=True):
-            results[i] = array
-    return jtu.tree_unflatten(treedef, results)
+    return map_array_leaves_batched(_unreplicate_all, tree)
 
 
 def pmean(xs: PyTree, axis_name: Any) -> PyTree:
@@ -227,12 +222,7 @@ def prefetch_to_device(
         sharding = _device_axis_sharding(list(jax.local_devices() if devices is None else devices))
 
     def place(batch: PyTree) -> PyTree:
-        leaves, treedef = jtu.tree_flatten(batch)
-        positions = [i for i, leaf in enumerate(leaves) if _is_data(leaf)]
-        placed = jax.device_put([leaves[i] for i in positions], sharding)
-        for i, array in zip(positions, placed, strict=True):
-            leaves[i] = array
-        return jtu.tree_unflatten(treedef, leaves)
+        return map_array_leaves_batched(lambda leaves: jax.device_put(leaves, sharding), batch)
 
     source = iter(iterator)
     queue: collections.deque[PyTree] = collections.deque(
@@ -258,7 +248,7 @@ def _argument_names(wrapped: Callable[..., Any]) -> list[str] | None:
 
 def _batch_size(label: str, tree: PyTree, sizes: dict[int, str]) -> None:
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-        if not _is_data(leaf):
+        if not is_array(leaf):
             continue
         where = f"{label} leaf '{path_to_name(path)}'"
         if np.ndim(leaf) == 0:
@@ -366,7 +356,7 @@ def pad_shard_unpad(
 
         def pad(tree: PyTree) -> PyTree:
             def one(x: Any) -> Any:
-                if not _is_data(x):
+                if not is_array(x):
                     return x
                 padded = _pad_to(x, total)
                 if mesh_sharding is not None:
@@ -382,17 +372,17 @@ def pad_shard_unpad(
         if static_return:
             return out
 
-        def unpad(x: Any) -> Any:
-            if not _is_data(x):
-                return x
-            host = np.asarray(jax.device_get(x))
+        def unpad(host: Any) -> Any:
+            if not is_array(host):
+                return host
+            host = np.asarray(host)
             if mesh_sharding is not None:
                 return host[:b] if host.ndim and host.shape[0] == total else host
             if host.ndim >= 2 and host.shape[:2] == (n, per_device):
                 return host.reshape(total, *host.shape[2:])[:b]
             return host
 
-        return jtu.tree_map(unpad, out)
+        return jtu.tree_map(unpad, jax.device_get(out))  # one transfer for all outputs
 
     return wrapper
 
