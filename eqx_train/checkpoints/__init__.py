@@ -1,4 +1,5 @@
-"""Crash-safe safetensors checkpoints with `flax.training.checkpoints`' API (single host)."""
+"""Crash-safe safetensors checkpoints with `flax.training.checkpoints`' API
+(one file per step, or per-process shards)."""
 
 from ._async import AsyncManager as AsyncManager
 from ._checkpoints import (
@@ -6,14 +7,12 @@ from ._checkpoints import (
     latest_checkpoint as latest_checkpoint,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
+    save_checkpoint_multiprocess as save_checkpoint_multiprocess,
 )
 from ._format import CheckpointFormatError as CheckpointFormatError
 from ._legacy import convert_pre_linen as convert_pre_linen
 from ._manager import CheckpointManager as CheckpointManager
-from ._multiprocess import (
-    BarrierTimeoutError as BarrierTimeoutError,
-    save_checkpoint_multiprocess as save_checkpoint_multiprocess,
-)
+from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
 
 __all__ = [
     "AsyncManager",

@@ -37,9 +37,16 @@ class AsyncManager:
         if max_workers < 1:
             raise ValueError(f"AsyncManager: max_workers must be >= 1, got {max_workers}.")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eqx_train-save")
-        self._future: Future[Any] | None = None
+        self._future: Future[Any] | None = None  # not yet waited for
+        self._last: Future[Any] | None = None
         self._lock = threading.Lock()
         _live_managers.add(self)
+
+    @property
+    def save_future(self) -> Future[Any] | None:
+        """The `concurrent.futures.Future` of the latest background save (None before the
+        first), as in flax; `save_future.result()` waits for it."""
+        return self._last
 
     def wait_previous_save(self) -> None:
         """Blocks until the save in flight (if any) is done; raises its exception if it failed."""
@@ -52,7 +59,7 @@ class AsyncManager:
         """Waits for the previous save (raising its error), then starts `task` in the background."""
         self.wait_previous_save()
         with self._lock:
-            self._future = self._executor.submit(task)
+            self._future = self._last = self._executor.submit(task)
 
     def _report_unwaited_failure(self) -> None:
         future = self._future

@@ -1,24 +1,23 @@
-"""save_checkpoint / restore_checkpoint / latest_checkpoint / available_steps."""
+"""The save pipeline and the restore pipeline, for both layouts, and the public functions
+save_checkpoint / restore_checkpoint / latest_checkpoint / available_steps."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from .._tree import path_to_name
-from . import _files, _format, _multiprocess
+from . import _files, _format, _multiprocess, _names
 from ._async import AsyncManager
 
 T = TypeVar("T")
-_PARALLEL_MIN_BYTES = 16 << 20
 _MAX_LISTED_PROBLEMS = 20
+_RESTORE_ATTEMPTS = 5
 
 
 def save_checkpoint(
@@ -35,10 +34,12 @@ def save_checkpoint(
 
     The file is a plain safetensors file (tensor names are the leaves' key paths joined by
     `.`, e.g. `model.layers.0.weight`) that any safetensors reader opens; its metadata
-    describes the tree so that `restore_checkpoint(path, None)` can rebuild it. It is written
-    to a temporary file, fsynced, atomically renamed into place and the directory fsynced: a
-    crash at any moment leaves either the old set of checkpoints or the new one, never a
-    half-written file under a checkpoint name. Old files are deleted only afterwards.
+    describes the tree so that `restore_checkpoint(path, None)` can rebuild it, and holds a
+    checksum of every tensor. It is written to a temporary file, fsynced, atomically renamed
+    into place and the directory fsynced: a crash at any moment leaves either the old set of
+    checkpoints or the new one, never a half-written file under a checkpoint name. Old files
+    are deleted only afterwards, and so are the temporary files of earlier saves that were
+    killed.
 
     **Arguments:**
 
@@ -47,8 +48,9 @@ def save_checkpoint(
       (JAX, NumPy, typed PRNG keys, Python and NumPy scalars) are saved bit-exactly in their
       own dtype; strings are kept in the metadata; other leaves (functions, static fields) are
       not saved and come back from the target on restore.
-    - `step`: an int or float; it orders the checkpoints numerically.
-    - `prefix`: file name prefix.
+    - `step`: an int or float >= 0; it orders the checkpoints numerically. Equal numbers are
+      one step: `1`, `1.0` and `np.int64(1)` all name `{prefix}1.safetensors`.
+    - `prefix`: file name prefix: no path separator, no leading `.`, no trailing digit.
     - `keep`: how many of the newest checkpoints to keep (>= 1).
     - `overwrite`: if False, a `step` not newer than the latest checkpoint is an error. If
       True, the file for `step` is replaced and every newer checkpoint removed (as flax).
@@ -64,11 +66,13 @@ def save_checkpoint(
 
     **Raises:**
 
-    `ValueError` for a step that is not newer than the latest (without `overwrite`),
-    `TypeError` naming the leaf path for a dtype safetensors cannot hold, `OSError` when the
-    disk is full (previous checkpoints untouched, no temporary file left behind).
+    `ValueError` for a step that is not newer than the latest (without `overwrite`), an
+    invalid prefix or a reserved key (`__metadata__`); `TypeError` naming the leaf path for
+    a dtype safetensors cannot hold; `OSError` when the disk is full (previous checkpoints
+    untouched, no temporary file left behind). Nothing is written or deleted when it raises
+    before writing.
     """
-    return save_with_policy(
+    return save_pipeline(
         ckpt_dir,
         target,
         step,
@@ -80,7 +84,7 @@ def save_checkpoint(
     )
 
 
-def save_with_policy(
+def save_pipeline(
     ckpt_dir: str | os.PathLike[str],
     target: Any,
     step: int | float,
@@ -89,37 +93,72 @@ def save_with_policy(
     overwrite: bool,
     retention: _files.Retention,
     async_manager: AsyncManager | None,
-    extra_metadata: dict[str, str] | None = None,
     caller: str,
+    extra_metadata: dict[str, str] | None = None,
+    multiprocess: bool = False,
+    timeout_s: float = 300.0,
 ) -> str:
-    """The save path shared by `save_checkpoint` and `CheckpointManager`.
+    """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
+    `CheckpointManager.save` differ only in the layout (one file, or a `.shards` directory
+    of per-process piece files) and so in the commit step.
 
-    Writes the file atomically, then (after it is durable) removes newer steps when
-    `overwrite`, and the steps `retention(steps_oldest_first)` names.
+    Validates everything before touching the disk, writes, commits, then (after the commit
+    is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
-    _files.check_step(step, caller)
     ckpt_dir = os.fspath(ckpt_dir)
-    os.makedirs(ckpt_dir, exist_ok=True)
+    _names.check_prefix(prefix, caller)
+    value = _names.check_step(step, caller)
+    try:
+        name = _names.checkpoint_name(prefix, step, sharded=multiprocess)
+    except ValueError as error:
+        raise ValueError(f"{caller}: {error}") from None
     if async_manager is not None:
         async_manager.wait_previous_save()
-    description, tensors = _format.describe(target)
-    final_path = os.path.join(ckpt_dir, _files.checkpoint_name(prefix, step))
-    new_value = _files.check_newer(ckpt_dir, prefix, step, overwrite, caller)
-    metadata = {**_format.base_metadata(step, description), **(extra_metadata or {})}
-    if async_manager is not None:
-        # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
-        tensors = [_format.snapshot(t) for t in tensors]
-    header = _format.encode_header(tensors, metadata)
+    description, tensors = _format.describe(target, caller=caller, allow_global=multiprocess)
+    metadata = {
+        **_format.base_metadata(_names.canonical_step(step), description),
+        **(extra_metadata or {}),
+    }
+    _format.check_header_size(tensors, metadata, caller)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    _files.check_newer(ckpt_dir, prefix, value, overwrite, caller)
+    final_path = os.path.join(ckpt_dir, name)
 
-    def write(fd: int) -> None:
-        _format.write_all(fd, memoryview(header))
-        _format.write_tensors(fd, tensors)
-
-    def commit() -> None:
-        _files.atomic_write(final_path, write)
+    def after_commit() -> None:
         _files.apply_retention(
-            ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention
+            ckpt_dir, prefix, value, final_path, overwrite=overwrite, retention=retention
         )
+
+    if multiprocess:
+        token = _multiprocess.broadcast_token(timeout_s, caller)
+        pieces, where = _multiprocess.plan_pieces(tensors, jax.process_index())
+        if async_manager is not None:
+            pieces = [_format.snapshot(p) for p in pieces]
+
+        def commit() -> None:
+            if jax.process_index() == 0:
+                _files.remove_leftovers(ckpt_dir, prefix, keep_token=token, current=final_path)
+            _multiprocess.write_and_commit(
+                final_path,
+                token,
+                pieces,
+                where,
+                tensors,
+                metadata,
+                timeout_s=timeout_s,
+                caller=caller,
+                after_commit=after_commit,
+            )
+
+    else:
+        if async_manager is not None:
+            # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
+            tensors = [_format.snapshot(t) for t in tensors]
+
+        def commit() -> None:
+            _files.remove_leftovers(ckpt_dir, prefix)
+            _files.atomic_write(final_path, lambda fd: _format.write_file(fd, tensors, metadata))
+            after_commit()
 
     if async_manager is not None:
         async_manager.save_async(commit)
@@ -128,18 +167,64 @@ def save_with_policy(
     return final_path
 
 
-def _all_checkpoints(ckpt_dir: str | os.PathLike[str], prefix: str) -> list[tuple[Any, str, str]]:
-    return _files.list_checkpoints(os.fspath(ckpt_dir), prefix)
+def save_checkpoint_multiprocess(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any,
+    step: int | float,
+    prefix: str = "checkpoint_",
+    keep: int = 1,
+    overwrite: bool = False,
+    keep_every_n_steps: int | float | None = None,
+    async_manager: AsyncManager | None = None,
+    *,
+    timeout_s: float = 300.0,
+) -> str:
+    """Saves a checkpoint of arrays sharded over several processes; call it on every process.
+
+    Each process writes only the shards it owns (a shard replicated on several devices is
+    written once, by the device with `replica_id == 0`) into its own safetensors file, so
+    no array is ever gathered. Host-local leaves (NumPy arrays, scalars, fully addressable
+    arrays) are written by process 0. When every process's file is durable, process 0 writes
+    the index (global shapes, dtypes, which file holds which slice, the tree description,
+    checksums): that write is the commit. Then it applies retention. A process dying
+    mid-save leaves the previous checkpoint as the latest; the others raise
+    `BarrierTimeoutError` after `timeout_s` seconds instead of hanging. Overwriting a step
+    switches from the old pieces to the new ones atomically: old or new, never neither.
+
+    **Arguments:** as `save_checkpoint`, plus
+
+    - `timeout_s`: how long a process waits for its peers at each synchronisation point.
+
+    `ckpt_dir` must be the same shared directory on every process.
+
+    **Returns:**
+
+    The path of the checkpoint directory, `{ckpt_dir}/{prefix}{step}.shards`.
+    """
+    caller = "save_checkpoint_multiprocess"
+    return save_pipeline(
+        ckpt_dir,
+        target,
+        step,
+        prefix=prefix,
+        overwrite=overwrite,
+        retention=_files.flax_retention(keep, keep_every_n_steps, caller),
+        async_manager=async_manager,
+        caller=caller,
+        multiprocess=True,
+        timeout_s=timeout_s,
+    )
 
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_") -> str | None:
     """Returns the path of the checkpoint with the highest step in `ckpt_dir`, or None.
 
-    Steps compare numerically (`9 < 10`, `-1.0 < 0.5 < 1e5`); files that are not exactly
-    `{prefix}{number}.safetensors` (notes, temporary files) are ignored.
+    Steps compare numerically (`9 < 10`, `0.5 < 1e5`); names that are not exactly
+    `{prefix}{number}.safetensors` (a regular file) or a committed `{prefix}{number}.shards`
+    directory (notes, temporary files, other prefixes) are ignored.
     """
-    found = _all_checkpoints(ckpt_dir, prefix)
-    return found[-1][2] if found else None
+    newest = _files.latest(_files.list_checkpoints(os.fspath(ckpt_dir), prefix))
+    return None if newest is None else newest.path
 
 
 def available_steps(
@@ -147,57 +232,131 @@ def available_steps(
     prefix: str = "checkpoint_",
     step_type: Callable[[str], Any] = int,
 ) -> list[Any]:
-    """Returns the steps of all checkpoints in `ckpt_dir`, sorted numerically.
+    """Returns the steps of all checkpoints in `ckpt_dir`, sorted numerically, each once.
 
     **Arguments:**
 
     - `ckpt_dir`: the checkpoint directory (missing: `[]`).
     - `prefix`: file name prefix.
-    - `step_type`: `int` (default) or `float`; an int step type on float-named files raises.
+    - `step_type`: `int` (default) or `float`; an int step type on non-integral steps raises.
     """
-    return [_files.parse_step(text, step_type) for _, text, _ in _all_checkpoints(ckpt_dir, prefix)]
+    listing = _files.list_checkpoints(os.fspath(ckpt_dir), prefix)
+    texts = list({e.value: e.text for e in listing}.values())
+    if step_type is int:
+        steps = [_names.step_from_text(text) for text in texts]
+        odd = [s for s in steps if not isinstance(s, int)]
+        if odd:
+            raise ValueError(f"checkpoint step {odd[0]} is not an integer; pass step_type=float.")
+        return steps
+    return [step_type(text) for text in texts]
 
 
-def _resolve_path(ckpt_dir: str, step: Any, prefix: str) -> str | None:
-    if os.path.isfile(ckpt_dir) or _multiprocess.is_sharded_checkpoint(ckpt_dir):
+# ------------------------------------------------------------------------------------ restore
+
+
+Reader = _format.FileReader | _multiprocess.ShardedReader
+
+
+def open_reader(path: str) -> Reader:
+    """The reader for a checkpoint path: a `.shards` directory or a single file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        if _multiprocess.is_sharded_checkpoint(path):
+            return _multiprocess.ShardedReader(path)
+        raise _format.CheckpointFormatError(
+            f"{path} is not a valid checkpoint: it is a directory without "
+            f"{_names.INDEX_NAME} (an uncommitted or foreign directory)."
+        )
+    return _format.FileReader(path)
+
+
+def _resolve(ckpt_dir: str, step: Any, prefix: str) -> tuple[str | None, bool]:
+    """(checkpoint path or None, whether it was chosen from a directory listing)."""
+    if os.path.lexists(ckpt_dir) and (
+        not os.path.isdir(ckpt_dir) or _multiprocess.is_sharded_checkpoint(ckpt_dir)
+    ):
         if step is not None:
             raise ValueError(
                 f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a checkpoint, "
                 "not a directory of checkpoints; pass the directory to choose a step."
             )
-        return ckpt_dir
+        return ckpt_dir, False
     if not os.path.isdir(ckpt_dir):
-        return None
-    found = _files.list_checkpoints(ckpt_dir, prefix)
+        return None, False
+    listing = _files.list_checkpoints(ckpt_dir, prefix)
     if step is None:
-        return found[-1][2] if found else None
-    path = _files.find_step(found, step)
-    if path is not None:
-        return path
-    available = [text for _, text, _ in found]
+        newest = _files.latest(listing)
+        return (None if newest is None else newest.path), True
+    found = _files.find_step(listing, _names.check_step(step, "restore_checkpoint"))
+    if found is not None:
+        return found.path, True
+    available = list({e.value: e.text for e in listing}.values())
     raise ValueError(
         f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
         f"{ckpt_dir}; available steps: {available}."
     )
 
 
-def _describe(shape: Any, dtype: Any) -> str:
-    return f"{tuple(shape)} {np.dtype(dtype)}"
+def restore_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: T,
+    step: int | float | None = None,
+    prefix: str = "checkpoint_",
+    parallel: bool = True,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+) -> T:
+    """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
+    **Arguments:**
 
-def _read_many(path: str, header: _format.Header, names: list[str], parallel: bool) -> dict:
-    infos = [header.tensors[n] for n in names]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        total = sum(i.nbytes for i in infos)
-        if parallel and len(infos) > 1 and total >= _PARALLEL_MIN_BYTES:
-            with ThreadPoolExecutor(max_workers=min(8, len(infos))) as pool:
-                arrays = list(pool.map(lambda i: _format.read_tensor(fd, i, path), infos))
-        else:
-            arrays = [_format.read_tensor(fd, i, path) for i in infos]
-    finally:
-        os.close(fd)
-    return dict(zip(names, arrays, strict=True))
+    - `ckpt_dir`: a checkpoint file or `.shards` directory, or a directory of checkpoints
+      (then the latest checkpoint, or `step`).
+    - `target`: a pytree to fill: dicts, Equinox modules, a `TrainState`... Array leaves are
+      read from the file by their key path; non-array leaves (activation functions, static
+      fields) are kept from `target`. `jax.Array` leaves come back with the target's sharding;
+      `jax.ShapeDtypeStruct` leaves become arrays of that shape, dtype and sharding; NumPy
+      leaves stay NumPy; Python scalars get the file's value only if it converts exactly.
+      With `target=None`, returns the saved tree as nested dicts, lists and tuples of NumPy
+      arrays (Equinox modules and other nodes as dicts of their fields; empty containers as
+      empty containers).
+    - `step`: the step to restore from a directory; `None` for the latest.
+    - `prefix`: file name prefix.
+    - `parallel`: read large tensors with several threads.
+    - `strict`: if True (default), every array leaf of `target` must be in the file with the
+      same shape and dtype, and the file must hold nothing else. With `strict=False`, leaves
+      missing from the file keep the target's value and extra tensors are ignored (shape and
+      dtype must still match).
+    - `verify`: check every tensor read against the checksum recorded when it was saved
+      (default). Files written before checksums existed have nothing to check.
+
+    **Returns:**
+
+    The restored pytree. If `ckpt_dir` does not exist, or holds no checkpoint and `step` is
+    None, `target` is returned unchanged (as flax does).
+
+    **Raises:**
+
+    `ValueError` for a missing `step` (naming the available ones) and for a file that does
+    not match `target` (listing each path with what the file has and what the target
+    expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
+    corrupt or fails a checksum. Only the tensors the target needs are read from disk.
+    """
+    ckpt_dir = os.fspath(ckpt_dir)
+    for attempt in range(_RESTORE_ATTEMPTS):
+        path, listed = _resolve(ckpt_dir, step, prefix)
+        if path is None:
+            return target
+        try:
+            reader = open_reader(path)
+        except FileNotFoundError:
+            # Retention of a concurrent save removed it after we listed it: a newer one exists.
+            if listed and attempt + 1 < _RESTORE_ATTEMPTS:
+                continue
+            raise
+        with reader:
+            return _restore_from(reader, target, strict=strict, parallel=parallel, verify=verify)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -217,187 +376,108 @@ def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     return nested
 
 
-class _Expected:
-    """What a target leaf expects from the file, and how to turn the array into the leaf."""
-
-    def __init__(self, leaf: Any):
-        self.leaf = leaf
-        if _format.is_prng_key(leaf):
-            data = jax.random.key_data(leaf)
-            self.shape, self.dtype = tuple(data.shape), np.dtype(data.dtype)
-        elif isinstance(leaf, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
-            self.shape, self.dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-        elif isinstance(leaf, np.generic):
-            self.shape, self.dtype = (), np.dtype(leaf.dtype)
-        else:  # Python scalar: any numeric dtype of shape ()
-            self.shape, self.dtype = (), None
-
-    def matches(self, shape: tuple[int, ...], dtype: np.dtype) -> bool:
-        return tuple(shape) == self.shape and (self.dtype is None or dtype == self.dtype)
-
-    def expectation(self) -> str:
-        return (
-            _describe(self.shape, self.dtype)
-            if self.dtype is not None
-            else (f"() {type(self.leaf).__name__}")
-        )
-
-    def build(self, array: np.ndarray) -> Any:
-        leaf = self.leaf
-        if _format.is_prng_key(leaf):
-            key = jax.random.wrap_key_data(jnp.asarray(array), impl=jax.random.key_impl(leaf))
-            return jax.device_put(key, leaf.sharding)
-        if isinstance(leaf, jax.Array):
-            return jax.device_put(array, leaf.sharding)
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            sharding = getattr(leaf, "sharding", None)
-            return (
-                jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
-            )
-        if isinstance(leaf, np.ndarray):
-            return array
-        if isinstance(leaf, np.generic):
-            return array[()]
-        return type(leaf)(array.item())
+def _describe(shape: Any, dtype: Any) -> str:
+    return f"{tuple(shape)} {np.dtype(dtype)}"
 
 
-def _is_restorable(leaf: Any) -> bool:
-    return isinstance(
-        leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float
+def _expected(kind: _format.LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | None]:
+    """What a target leaf needs from the file: its shape, and its dtype (None: a Python
+    scalar, which takes any dtype whose value converts exactly)."""
+    if kind.scalar_type is not None:
+        return (), None
+    data = kind.data(leaf)
+    return tuple(data.shape), np.dtype(data.dtype)
+
+
+def _fail(path: str, problems: list[str], strict: bool) -> None:
+    listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
+    more = len(problems) - _MAX_LISTED_PROBLEMS
+    listed += f"\n  ... and {more} more" if more > 0 else ""
+    raise ValueError(
+        f"restore_checkpoint: {path} does not match the target:\n  {listed}\n"
+        "Pass target=None to load the file as saved"
+        + (", or strict=False to restore only the leaves present in both." if strict else ".")
     )
 
 
-def restore_checkpoint(
-    ckpt_dir: str | os.PathLike[str],
-    target: T,
-    step: int | float | None = None,
-    prefix: str = "checkpoint_",
-    parallel: bool = True,
-    *,
-    strict: bool = True,
-) -> T:
-    """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
-
-    **Arguments:**
-
-    - `ckpt_dir`: a checkpoint file, or a directory (then the latest checkpoint, or `step`).
-    - `target`: a pytree to fill: dicts, Equinox modules, a `TrainState`... Array leaves are
-      read from the file by their key path; non-array leaves (activation functions, static
-      fields) are kept from `target`. `jax.Array` leaves come back with the target's sharding;
-      `jax.ShapeDtypeStruct` leaves become arrays of that shape, dtype and sharding; NumPy
-      leaves stay NumPy. With `target=None`, returns the saved tree as nested dicts, lists and
-      tuples of NumPy arrays (Equinox modules and other nodes as dicts of their fields).
-    - `step`: the step to restore from a directory; `None` for the latest.
-    - `prefix`: file name prefix.
-    - `parallel`: read large tensors with several threads.
-    - `strict`: if True (default), every array leaf of `target` must be in the file with the
-      same shape and dtype, and the file must hold nothing else. With `strict=False`, leaves
-      missing from the file keep the target's value and extra tensors are ignored (shape and
-      dtype must still match).
-
-    **Returns:**
-
-    The restored pytree. If `ckpt_dir` does not exist, or holds no checkpoint and `step` is
-    None, `target` is returned unchanged (as flax does).
-
-    **Raises:**
-
-    `ValueError` for a missing `step` (naming the available ones) and for a file that does
-    not match `target` (listing each path with what the file has and what the target
-    expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated or
-    corrupt. Only the tensors the target needs are read from disk.
-    """
-    path = _resolve_path(os.fspath(ckpt_dir), step, prefix)
-    if path is None:
-        return target
-    if _multiprocess.is_sharded_checkpoint(path):
-        return _restore_sharded(path, target, strict)
-    header = _format.read_header(path)
+def _restore_from(
+    reader: Reader, target: Any, *, strict: bool, parallel: bool, verify: bool
+) -> Any:
     if target is None:
-        names = list(header.tensors)
-        arrays = _read_many(path, header, names, parallel)
-        if not header.has_description:
-            return _unflatten_names(arrays)  # type: ignore[return-value]
-        return _format.rebuild(header.description, arrays.__getitem__)
-    available = {name: (info.shape, info.dtype) for name, info in header.tensors.items()}
-    leaves, treedef, slots = _match_target(target, available, path, strict)
-    arrays = _read_many(path, header, [name for _, name, _ in slots], parallel)
-    for index, name, expected in slots:
-        leaves[index] = expected.build(arrays[name])
-    return jtu.tree_unflatten(treedef, leaves)
+        if not reader.has_description:
+            return _unflatten_names(reader.read_many(list(reader.arrays()), verify=verify))
+        description = reader.description
+        arrays = reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
+        return _format.rebuild(description, arrays.__getitem__)
 
-
-def _match_target(
-    target: Any, available: dict[str, tuple[tuple[int, ...], np.dtype]], path: str, strict: bool
-) -> tuple[list[Any], Any, list[tuple[int, str, _Expected]]]:
-    """Pairs each restorable target leaf with a saved array; raises one error listing every
-    missing, extra or mismatched path (missing and extra are allowed when not `strict`)."""
+    available = reader.arrays()
     pairs, treedef = jtu.tree_flatten_with_path(target)
-    slots: list[tuple[int, str, _Expected]] = []
+    leaves = [leaf for _, leaf in pairs]
+    slots: list[tuple[int, str, _format.LeafKind]] = []
     problems: list[str] = []
-    mismatched: set[str] = set()
+    used: set[str] = set()
     for index, (key_path, leaf) in enumerate(pairs):
-        if not _is_restorable(leaf):
-            continue
+        kind = _format.kind_of(leaf)
+        if kind is None:
+            continue  # not data: kept from the target
         name = path_to_name(key_path)
-        expected = _Expected(leaf)
+        shape, dtype = _expected(kind, leaf)
+        expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
         if name not in available:
             if strict:
-                problems.append(
-                    f"'{name}': missing from the file, target expects {expected.expectation()}"
-                )
+                problems.append(f"'{name}': missing from the file, target expects {expectation}")
             continue
-        shape, dtype = available[name]
-        if not expected.matches(shape, dtype):
-            mismatched.add(name)
+        used.add(name)
+        file_shape, file_dtype = available[name]
+        numeric = file_dtype.kind in "biuf"
+        if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
             problems.append(
-                f"'{name}': file has {_describe(shape, dtype)}, target expects "
-                f"{expected.expectation()}"
+                f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
+                f"{expectation}"
             )
             continue
-        slots.append((index, name, expected))
+        slots.append((index, name, kind))
     if strict:
-        used = {name for _, name, _ in slots} | mismatched
         for name, (shape, dtype) in available.items():
             if name not in used:
                 problems.append(
                     f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
                 )
     if problems:
-        listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
-        more = len(problems) - _MAX_LISTED_PROBLEMS
-        listed += f"\n  ... and {more} more" if more > 0 else ""
-        raise ValueError(
-            f"restore_checkpoint: {path} does not match the target:\n  {listed}\n"
-            "Pass target=None to load the file as saved"
-            + (", or strict=False to restore only the leaves present in both." if strict else ".")
-        )
-    return [leaf for _, leaf in pairs], treedef, slots
+        _fail(reader.path, problems, strict)
 
-
-def _restore_sharded(path: str, target: Any, strict: bool) -> Any:
-    reader = _multiprocess.ShardedReader(path)
-    if target is None:
-        return _format.rebuild(reader.index.description, reader.read_block)
-    available = {name: reader.info(name) for name in reader.arrays}
-    leaves, treedef, slots = _match_target(target, available, path, strict)
-    for index, name, expected in slots:
-        leaf = expected.leaf
-        sharding = getattr(leaf, "sharding", None)
-        if (
-            isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
-            and sharding is not None
-            and not (_format.is_prng_key(leaf))
-        ):
-            shape = tuple(leaf.shape)
-            read: dict[Any, np.ndarray] = {}  # a slice several devices hold is read once
-            blocks = []
-            for device, idx in sharding.addressable_devices_indices_map(shape).items():
-                key = tuple((sl.start, sl.stop) for sl in idx)
-                if key not in read:
-                    read[key] = reader.read_block(name, idx)
-                blocks.append(jax.device_put(read[key], device))
-            leaves[index] = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
-        else:
-            leaves[index] = expected.build(reader.read_block(name))
+    whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]
+    arrays = reader.read_many(whole, verify=verify, parallel=parallel)
+    for index, name, kind in slots:
+        leaf = leaves[index]
+        if name not in arrays:
+            leaves[index] = _read_blockwise(reader, name, leaf, verify)
+            continue
+        try:
+            leaves[index] = kind.fill(leaf, arrays[name])
+        except ValueError as error:
+            problems.append(f"'{name}': {error}")
+    if problems:
+        _fail(reader.path, problems, strict)
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def _blockwise(reader: Reader, leaf: Any, kind: _format.LeafKind) -> bool:
+    """Read device by device (each device's block only) rather than whole: for an array
+    target whose sharding spans processes, or any sharded target of a `.shards` layout."""
+    sharding = getattr(leaf, "sharding", None)
+    if kind.name != "array" or sharding is None or isinstance(leaf, np.ndarray):
+        return False
+    return isinstance(reader, _multiprocess.ShardedReader) or not sharding.is_fully_addressable
+
+
+def _read_blockwise(reader: Reader, name: str, leaf: Any, verify: bool) -> jax.Array:
+    shape, sharding = tuple(leaf.shape), leaf.sharding
+    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
+    blocks = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+        if bounds not in read:
+            read[bounds] = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
+        blocks.append(jax.device_put(read[bounds], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, blocks)

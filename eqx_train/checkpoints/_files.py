@@ -1,81 +1,86 @@
-"""Checkpoint files on disk: naming, listing in numeric order, retention, atomic writes."""
+"""Checkpoints on disk: listing in numeric order, retention, atomic writes, removal of only
+what this library wrote, and cleanup of what dead writers left. Every name comes from
+`_names`."""
 
 from __future__ import annotations
 
 import contextlib
-import math
+import json
 import os
-import re
-import shutil
-import uuid
+import stat
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
+from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
-import numpy as np
-
-SUFFIX = ".safetensors"
-SHARDED_SUFFIX = ".shards"  # a multi-process checkpoint: a directory of shard files + index
-STEP_PATTERN = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-TEMP_MARK = ".tmp-"
+from . import _format, _names
 
 
-def checkpoint_name(prefix: str, step: int | float) -> str:
-    return f"{prefix}{step}{SUFFIX}"
+@dataclass(frozen=True)
+class Entry:
+    """One committed checkpoint in a directory."""
+
+    value: Decimal  # the step, exact
+    text: str  # the step as spelled in the name
+    path: str
+    sharded: bool
+
+    @property
+    def step(self) -> int | float:
+        return _names.step_from_text(self.text)
 
 
-def _pattern(prefix: str) -> re.Pattern[str]:
-    suffixes = f"(?:{re.escape(SUFFIX)}|{re.escape(SHARDED_SUFFIX)})"
-    return re.compile(rf"{re.escape(prefix)}(?P<step>{STEP_PATTERN}){suffixes}")
+def _is_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
-def list_checkpoints(ckpt_dir: str, prefix: str) -> list[tuple[Decimal, str, str]]:
-    """`(numeric step, step text, path)` of every checkpoint file, oldest step first.
+def list_checkpoints(ckpt_dir: str, prefix: str) -> list[Entry]:
+    """Every committed checkpoint of `prefix` in `ckpt_dir`, oldest step first.
 
-    Only names of the exact form `{prefix}{number}.safetensors` (or `.shards`, a multi-process
-    checkpoint directory) count, so notes, temporary
-    files and other prefixes in the same directory are ignored. The order is numeric (Decimal,
-    exact for huge ints and for floats), never lexicographic.
+    Counted: regular files `{prefix}{step}.safetensors` and directories
+    `{prefix}{step}.shards` that hold their index. Anything else (notes, temporaries, other
+    prefixes, a directory or FIFO under a checkpoint name) is ignored, and so never deleted.
+    Among names of the same step (an older version spelled 1.0 what is now 1), the canonical
+    spelling sorts last, so it is the one `[-1]` picks.
     """
     try:
-        names = os.listdir(ckpt_dir)
-    except FileNotFoundError:
+        scan = list(os.scandir(ckpt_dir))
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    pattern = _pattern(prefix)
+    pattern = _names.checkpoint_pattern(prefix)
     found = []
-    for name in names:
-        match = pattern.fullmatch(name)
+    for item in scan:
+        match = pattern.fullmatch(item.name)
         if match is None:
             continue
-        text = match.group("step")
-        try:
-            value = Decimal(text)
-        except InvalidOperation:  # pragma: no cover - the regex admits only numbers
-            continue
-        found.append((value, text, os.path.join(ckpt_dir, name)))
-    found.sort(key=lambda entry: (entry[0], entry[1]))
+        sharded = match["suffix"] == _names.SHARDED_SUFFIX
+        committed = (
+            item.is_dir(follow_symlinks=False)
+            and _is_file(os.path.join(item.path, _names.INDEX_NAME))
+            if sharded
+            else _is_file(item.path)
+        )
+        if committed:
+            text = match["step"]
+            found.append(Entry(_names.step_value(text), text, item.path, sharded))
+    found.sort(key=lambda e: (e.value, _names.is_canonical(e.text), e.sharded, e.text))
     return found
 
 
-def parse_step(text: str, step_type: Callable[[str], Any]) -> Any:
-    if step_type is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(
-                f"checkpoint step '{text}' is not an integer; pass step_type=float."
-            ) from None
-    return step_type(text)
+def latest(listing: list[Entry]) -> Entry | None:
+    return listing[-1] if listing else None
+
+
+def find_step(listing: list[Entry], value: Decimal) -> Entry | None:
+    """The preferred entry of step `value`, or None."""
+    matches = [e for e in listing if e.value == value]
+    return matches[-1] if matches else None
 
 
 Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
-
-
-def check_step(step: Any, caller: str) -> None:
-    if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
-        raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
-    if not math.isfinite(step):
-        raise ValueError(f"{caller}: step must be finite, got {step!r}.")
 
 
 def check_keep(keep: Any, caller: str) -> None:
@@ -83,22 +88,21 @@ def check_keep(keep: Any, caller: str) -> None:
         raise ValueError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
 
 
-def check_newer(ckpt_dir: str, prefix: str, step: Any, overwrite: bool, caller: str) -> Decimal:
-    """`step` as a Decimal; raises unless it is newer than every checkpoint or `overwrite`."""
-    existing = list_checkpoints(ckpt_dir, prefix)
-    new_value = Decimal(str(step))
-    if existing and not overwrite and new_value <= existing[-1][0]:
+def check_newer(ckpt_dir: str, prefix: str, value: Decimal, overwrite: bool, caller: str) -> None:
+    """Raises unless step `value` is newer than every checkpoint, or `overwrite`."""
+    newest = latest(list_checkpoints(ckpt_dir, prefix))
+    if newest is not None and not overwrite and value <= newest.value:
         raise ValueError(
-            f"{caller}: a checkpoint at step {existing[-1][1]} already exists in {ckpt_dir} "
-            f"and step {step} is not newer. Pass overwrite=True to replace it (this also "
-            "deletes every newer checkpoint)."
+            f"{caller}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
+            f"and step {_names.canonical_step(_names.step_from_text(str(value)))} is not "
+            "newer. Pass overwrite=True to replace it (this also deletes every newer "
+            "checkpoint)."
         )
-    return new_value
 
 
 def check_keep_every_n_steps(value: Any, caller: str) -> None:
     if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+        isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
     ):
         raise ValueError(
             f"{caller}: keep_every_n_steps must be a positive number or None, got {value!r}."
@@ -141,25 +145,32 @@ def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention
 
 
 def apply_retention(
-    ckpt_dir: str, prefix: str, new_value: Decimal, *, overwrite: bool, retention: Retention
+    ckpt_dir: str,
+    prefix: str,
+    new_value: Decimal,
+    just_written: str,
+    *,
+    overwrite: bool,
+    retention: Retention,
 ) -> None:
-    """After a commit: with `overwrite`, remove steps newer than the new one; then the steps
-    `retention` names. Files and multi-process checkpoint directories alike."""
+    """After a commit: with `overwrite`, remove steps newer than the new one; remove other
+    spellings of the new step; then the steps `retention` names. The checkpoint this save
+    just wrote is never removed by it."""
     listing = list_checkpoints(ckpt_dir, prefix)
-    paths = {text: path for _, text, path in listing}
-    steps = [(value, text) for value, text, _ in listing]
-    doomed: list[str] = []
+    doomed = [e for e in listing if e.value == new_value and e.path != just_written]
     if overwrite:
-        doomed += [text for value, text in steps if value > new_value]
-        steps = [(value, text) for value, text in steps if value <= new_value]
-    doomed += retention(steps)
-    remove_files([paths[text] for text in doomed])
-
-
-def find_step(listing: list[tuple[Decimal, str, str]], step: Any) -> str | None:
-    """The path of `step` in a `list_checkpoints` result (numeric match), or None."""
-    wanted = Decimal(str(step))
-    return next((path for value, _, path in listing if value == wanted), None)
+        doomed += [e for e in listing if e.value > new_value]
+    live = [e for e in listing if e not in doomed]
+    preferred: dict[Decimal, Entry] = {}
+    for e in live:
+        preferred[e.value] = e  # the listing's order puts the preferred spelling last
+    steps = [(e.value, e.text) for e in preferred.values()]
+    by_text = {e.text: e.value for e in preferred.values()}
+    values = {by_text[text] for text in retention(steps)}
+    doomed += [e for e in live if e.value in values]
+    for entry in doomed:
+        if entry.path != just_written:
+            remove_checkpoint(entry)
 
 
 def fsync_dir(path: str) -> None:
@@ -170,33 +181,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def temp_path_for(final_path: str) -> str:
-    """A unique temporary name next to `final_path` that never matches a checkpoint name."""
-    directory, name = os.path.split(final_path)
-    return os.path.join(directory, f".{name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex}")
-
-
-_TEMP_FILE = re.compile(rf"\.(?P<name>.+){re.escape(TEMP_MARK)}(?P<pid>\d+)-[0-9a-f]{{32}}")
-
-
-def leftover_temporaries(directory: str, prefix: str) -> list[tuple[str, int]]:
-    """`(path, writer pid)` of every temporary file `temp_path_for` made for a checkpoint
-    with this prefix in `directory` (and nothing else: other names never match)."""
-    found = []
-    final_name = _pattern(prefix)
-    for name in os.listdir(directory):
-        match = _TEMP_FILE.fullmatch(name)
-        if match and final_name.fullmatch(match.group("name")):
-            found.append((os.path.join(directory, name), int(match.group("pid"))))
-    return found
-
-
 def atomic_write(final_path: str, write: Callable[[int], None]) -> None:
     """Runs `write(fd)` on a temporary file, fsyncs it, renames it to `final_path`, fsyncs the
     directory. On any error the temporary file is removed and the previous files are untouched.
     """
-    directory = os.path.dirname(final_path) or "."
-    temp_path = temp_path_for(final_path)
+    directory, name = os.path.split(final_path)
+    temp_path = os.path.join(directory, _names.temp_name(name))
     fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
@@ -209,14 +199,119 @@ def atomic_write(final_path: str, write: Callable[[int], None]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp_path)
         raise
-    fsync_dir(directory)
+    fsync_dir(directory or ".")
 
 
-def remove_files(paths: list[str]) -> None:
-    """Removes checkpoint files and multi-process checkpoint directories."""
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def remove_paths(paths: list[str]) -> None:
     for path in paths:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
+
+
+def remove_if_uncommitted_and_empty(path: str) -> None:
+    if not os.path.exists(os.path.join(path, _names.INDEX_NAME)):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+def _ours_in_shards_dir(name: str) -> bool:
+    return (
+        name == _names.INDEX_NAME
+        or _names.parse_piece_file(name) is not None
+        or _names.parse_done_marker(name) is not None
+        or _names.parse_temp(name) is not None
+    )
+
+
+def remove_checkpoint(entry: Entry) -> None:
+    """Deletes a checkpoint: a file, or a `.shards` directory's index (which uncommits it
+    first), then the files this library names there. A directory that still holds other
+    files afterwards is left in place."""
+    if not entry.sharded:
+        _remove(entry.path)
+        return
+    _remove(os.path.join(entry.path, _names.INDEX_NAME))
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(entry.path):
+            if _ours_in_shards_dir(name):
+                _remove(os.path.join(entry.path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(entry.path)
+
+
+def remove_leftovers(
+    ckpt_dir: str, prefix: str, *, keep_token: str | None = None, current: str | None = None
+) -> None:
+    """Removes what dead writers of `prefix` left in `ckpt_dir`: temporary files of killed
+    saves, and in `.shards` directories the pieces, markers and temporaries of saves that
+    never committed (or were superseded). Only names this library makes, and only when the
+    writer ran on this machine and its process is gone. `current` (the `.shards` directory
+    a multi-process save is about to fill) is never removed, even while still empty."""
+    pattern = _names.checkpoint_pattern(prefix)
+    try:
+        scan = list(os.scandir(ckpt_dir))
+    except FileNotFoundError:
+        return
+    for item in scan:
+        temp = _names.parse_temp(item.name)
+        if temp is not None:
+            final, host, pid = temp
+            if pattern.fullmatch(final) and _names.writer_is_dead(host, pid):
+                _remove(item.path)
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+        match = pattern.fullmatch(item.name)
+        if (
+            match
+            and match["suffix"] == _names.SHARDED_SUFFIX
+            and item.is_dir(follow_symlinks=False)
+            and item.path != current
+        ):
+            clean_shards_dir(item.path, keep_token=keep_token)
+
+
+def _referenced_pieces(path: str) -> set[str] | None:
+    """The piece files a committed `.shards` directory's index cites; None if it has no
+    index; every name in the directory if the index cannot be read (then nothing goes)."""
+    index = os.path.join(path, _names.INDEX_NAME)
+    if not os.path.exists(index):
+        return None
+    try:
+        with _format.FileReader(index) as reader:
+            arrays = json.loads(reader.metadata[_format.ARRAYS_KEY])
+        return {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set(os.listdir(path))
+
+
+def clean_shards_dir(path: str, *, keep_token: str | None) -> None:
+    """In one `.shards` directory, removes the pieces and markers of saves other than
+    `keep_token` that the index does not cite and whose writer is dead, and temporaries of
+    dead writers. Removes the directory if it ends up empty and uncommitted."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    protected = _referenced_pieces(path) or set()
+    for name in names:
+        parsed = _names.parse_piece_file(name) or _names.parse_done_marker(name)
+        if parsed is not None:
+            token = parsed[1]
+            if token and token != keep_token and name not in protected:
+                if _names.writer_is_dead(*_names.token_writer(token)):
+                    _remove(os.path.join(path, name))
+            continue
+        temp = _names.parse_temp(name)
+        if temp is not None and _names.writer_is_dead(temp[1], temp[2]):
+            _remove(os.path.join(path, name))
+    remove_if_uncommitted_and_empty(path)
+
+
+def remove_unreferenced_pieces(path: str, keep: set[str]) -> None:
+    """After process 0 commits an overwrite: the pieces of the replaced save go."""
+    for name in os.listdir(path):
+        if _names.parse_piece_file(name) is not None and name not in keep:
+            _remove(os.path.join(path, name))

@@ -1,16 +1,20 @@
-"""The checkpoint file: a plain safetensors file plus a JSON tree description in its metadata.
+"""The checkpoint file: the one module that knows the bytes, the leaf kinds and the checksums.
 
-This is the one module that knows the bytes. Layout (see docs/checkpoint_format.md):
+Layout (see docs/checkpoint_format.md), a plain safetensors file:
 
     [8 bytes: little-endian u64 N][N bytes: JSON header, space-padded][tensor bytes]
 
 The header maps each tensor name (the leaf's key path joined by '.') to its dtype, shape and
 byte range, and holds `__metadata__` (string -> string) with our keys:
 
-- `eqx_train.format`: "eqx_train.checkpoint"
-- `eqx_train.format_version`: "1"
+- `eqx_train.format` / `eqx_train.format_version`: "eqx_train.checkpoint" / "1"
 - `eqx_train.step`: the step, as JSON
-- `eqx_train.tree`: the tree description (JSON), enough to rebuild the pytree without a target.
+- `eqx_train.tree`: the tree description (JSON), enough to rebuild the pytree without a target
+- `eqx_train.checksums`: xxh3-64 of every tensor (seeded with its dtype and shape) and of the
+  tree description; absent in files written before checksums existed.
+
+Everything read from a file is validated before it is trusted or allocated: a malformed file
+raises a short `CheckpointFormatError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,14 +33,28 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import xxhash
 
-from .._tree import key_to_str
+from .._tree import path_to_name
 
 FORMAT_NAME = "eqx_train.checkpoint"
 FORMAT_VERSION = 1
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
+# Python objects, so the cap is what bounds a hostile file's memory.
+MAX_HEADER_BYTES = 32 * 1024 * 1024
+MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too
+MAX_NDIM = 64
 _ALIGNMENT = 8
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
+_PARALLEL_MIN_BYTES = 16 << 20
+CHECKSUM_ALGORITHM = "xxh3_64"
+_NO_DIGEST = "0" * 16
+
+STEP_KEY = "eqx_train.step"
+TREE_KEY = "eqx_train.tree"
+CHECKSUMS_KEY = "eqx_train.checksums"
+ARRAYS_KEY = "eqx_train.arrays"  # a .shards index: every array's shape, dtype and pieces
+RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
 
 _DTYPE_TO_CODE: dict[np.dtype, str] = {
     np.dtype(np.bool_): "BOOL",
@@ -52,32 +73,46 @@ _DTYPE_TO_CODE: dict[np.dtype, str] = {
     np.dtype(jnp.float8_e4m3fn): "F8_E4M3",
     np.dtype(jnp.float8_e5m2): "F8_E5M2",
 }
-_CODE_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
+CODE_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
 
 
 class CheckpointFormatError(ValueError):
-    """A file is not a readable eqx_train/safetensors checkpoint (truncated, corrupt, foreign)."""
+    """A file is not a readable eqx_train/safetensors checkpoint (truncated, corrupt, foreign,
+    or its contents fail their checksums)."""
 
 
-def dtype_code(dtype: np.dtype, name: str) -> str:
+def short(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: error messages stay one line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def dtype_code(dtype: Any, name: str, caller: str) -> str:
     try:
         return _DTYPE_TO_CODE[np.dtype(dtype)]
-    except KeyError:
+    except (KeyError, TypeError):
         supported = ", ".join(sorted(str(d) for d in _DTYPE_TO_CODE))
         raise TypeError(
-            f"save_checkpoint: leaf '{name}' has dtype {dtype}, which safetensors cannot store. "
+            f"{caller}: leaf '{name}' has dtype {dtype}, which safetensors cannot store. "
             f"Supported dtypes: {supported}."
         ) from None
 
 
+def digest(data: memoryview | bytes, code: str, shape: Sequence[int]) -> str:
+    """The checksum of one tensor: xxh3-64 of its bytes, seeded by its dtype and shape so that
+    a header edit of either is caught too."""
+    seed = zlib.crc32(f"{code}{list(shape)}".encode())
+    return xxhash.xxh3_64_hexdigest(data, seed=seed)
+
+
 # --------------------------------------------------------------------------------------------
-# Tree description: pytree <-> JSON. Array-like leaves become tensors; the rest is described.
+# The leaf kinds: one table, used to describe a tree, rebuild it, and fill a target.
 
 
 @dataclass(frozen=True)
-class TensorLeaf:
+class Tensor:
     """One tensor to write: its name, a way to get its NumPy value, and the array it came
-    from (a `jax.Array` whose shards the multi-process save writes piece by piece)."""
+    from (a `jax.Array` whose shards a multi-process save writes piece by piece)."""
 
     name: str
     get: Callable[[], np.ndarray]
@@ -86,7 +121,7 @@ class TensorLeaf:
     source: Any = None
 
 
-def snapshot(tensor: TensorLeaf) -> TensorLeaf:
+def snapshot(tensor: Tensor) -> Tensor:
     """The tensor with its value copied to host memory now (for saves that finish later,
     after the caller may have mutated or donated the buffers)."""
     value = np.array(tensor.get(), copy=True)
@@ -97,163 +132,301 @@ def is_prng_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
-    """One level of flattening: [(key, child)], treedef; None when `node` is a leaf."""
+@dataclass(frozen=True)
+class LeafKind:
+    """How one kind of leaf is saved (as a 0-d or n-d tensor), rebuilt without a target, and
+    checked against a target leaf of the same kind."""
+
+    name: str
+    test: Callable[[Any], bool]
+    data: Callable[[Any], Any]  # the leaf as an array-like with .dtype/.shape
+    rebuild: Callable[[np.ndarray, dict[str, Any]], Any]
+    fill: Callable[[Any, np.ndarray], Any]  # (target leaf, file array) -> restored leaf
+    scalar_type: type | None = None  # Python scalars: any dtype whose value converts exactly
+
+
+def _wrap_key(array: np.ndarray, impl: Any) -> Any:
+    return jax.random.wrap_key_data(jnp.asarray(array), impl=impl)
+
+
+def _place(array: np.ndarray, like: Any) -> Any:
+    sharding = getattr(like, "sharding", None)
+    return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+
+
+def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
+    def fill(leaf: Any, array: np.ndarray) -> Any:
+        value = array[()]
+        try:
+            converted = type(leaf)(value.item())
+        except (ValueError, OverflowError, TypeError):
+            converted = None
+        same = converted is not None and (
+            converted == value
+            or (isinstance(converted, float) and math.isnan(converted) and np.isnan(value))
+        )
+        if not same or (kind is not bool and isinstance(value, np.bool_)):
+            raise ValueError(f"the file holds {value!r} ({array.dtype}), not exactly a {kind}")
+        return converted
+
+    return fill
+
+
+LEAF_KINDS: tuple[LeafKind, ...] = (
+    LeafKind(
+        "prng_key",
+        is_prng_key,
+        jax.random.key_data,
+        lambda a, entry: _wrap_key(a, entry["impl"]),
+        lambda leaf, a: _place(_wrap_key(a, jax.random.key_impl(leaf)), leaf),
+    ),
+    LeafKind(
+        "array",
+        lambda x: isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct),
+        lambda x: x,
+        lambda a, entry: a,
+        lambda leaf, a: a if isinstance(leaf, np.ndarray) else _place(a, leaf),
+    ),
+    LeafKind(
+        "numpy_scalar",
+        lambda x: isinstance(x, np.generic),
+        np.asarray,
+        lambda a, entry: a[()],
+        lambda leaf, a: a[()],
+    ),
+    # bool before int before float: an IntEnum is an int, bool is an int too.
+    LeafKind(
+        "bool",
+        lambda x: isinstance(x, bool),
+        lambda x: np.asarray(x, np.bool_),
+        lambda a, entry: bool(a.item()),
+        _exact_scalar(bool),
+        bool,
+    ),
+    LeafKind(
+        "int",
+        lambda x: isinstance(x, int),
+        lambda x: np.asarray(x, np.int64),
+        lambda a, entry: int(a.item()),
+        _exact_scalar(int),
+        int,
+    ),
+    LeafKind(
+        "float",
+        lambda x: isinstance(x, float),
+        lambda x: np.asarray(x, np.float64),
+        lambda a, entry: float(a.item()),
+        _exact_scalar(float),
+        float,
+    ),
+)
+KIND_BY_NAME = {kind.name: kind for kind in LEAF_KINDS}
+
+
+def kind_of(leaf: Any) -> LeafKind | None:
+    """The kind of a tensor leaf, or None for leaves that are not data (str, functions...)."""
+    return next((kind for kind in LEAF_KINDS if kind.test(leaf)), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Tree description: pytree <-> JSON.
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """One level of flattening as [(key, child)]; None when `node` is a leaf. Empty
+    containers ({}, [], an optax EmptyState) are nodes with no children, not leaves."""
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if jtu.treedef_is_leaf(treedef) and node is not None:
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return None
-    return [(path[0], child) for path, child in pairs], treedef
+    return [(path[0], child) for path, child in pairs]
 
 
-def describe(tree: Any, *, allow_global: bool = False) -> tuple[Any, list[TensorLeaf]]:
-    """The JSON description of `tree` and the tensors to write, in order.
+def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
+    """The JSON description of `tree` and its tensors in order. Raises, before anything is
+    written, naming the leaf path, for what cannot be saved faithfully."""
+    tensors: list[Tensor] = []
+    seen: set[str] = set()
 
-    Raises TypeError/ValueError naming the leaf path for things that cannot be saved, and
-    (unless `allow_global`) for arrays spread over several processes.
-    """
-    tensors: list[TensorLeaf] = []
-    seen: dict[str, str] = {}
-
-    def add_tensor(
-        path: tuple[str, ...], get: Callable[[], np.ndarray], dtype, shape, source=None
-    ) -> str:
-        name = ".".join(path) if path else "<root>"
-        if not allow_global and isinstance(source, jax.Array) and not source.is_fully_addressable:
+    def add_tensor(keys: tuple[Any, ...], kind: LeafKind, leaf: Any) -> dict[str, Any]:
+        name = path_to_name(keys)
+        if name in RESERVED_TENSOR_NAMES:
             raise ValueError(
-                f"save_checkpoint: leaf '{name}' is a jax.Array spread over several processes "
-                "(not fully addressable), so no single process can write it. In a "
-                "multi-process job use save_checkpoint_multiprocess, called on every process."
+                f"{caller}: the tensor name '{name}' is reserved by the safetensors format "
+                "(it holds the file's metadata). Rename that key."
             )
         if name in seen:
             raise ValueError(
-                f"save_checkpoint: two leaves map to the tensor name '{name}' (a key contains "
-                "'.' or keys differ only in type, e.g. 1 and '1'). Rename the keys."
+                f"{caller}: two leaves map to the tensor name '{name}' (a key contains '.' "
+                "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
             )
-        seen[name] = name
-        dtype_code(dtype, name)
-        tensors.append(TensorLeaf(name, get, np.dtype(dtype), tuple(int(s) for s in shape), source))
-        return name
+        seen.add(name)
+        if kind.name == "int" and not -(2**63) <= leaf < 2**63:
+            raise OverflowError(
+                f"{caller}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
+            )
+        data = kind.data(leaf)
+        if not allow_global and isinstance(data, jax.Array) and not data.is_fully_addressable:
+            raise ValueError(
+                f"{caller}: leaf '{name}' is a jax.Array spread over several processes (not "
+                "fully addressable), so no single process can write it. In a multi-process "
+                "job use save_checkpoint_multiprocess, called on every process."
+            )
+        dtype_code(data.dtype, name, caller)
+        if isinstance(data, jax.ShapeDtypeStruct):
+            raise TypeError(f"{caller}: leaf '{name}' is a ShapeDtypeStruct, which holds no data.")
+        tensors.append(
+            Tensor(
+                name,
+                (lambda d=data: np.asarray(d)),
+                np.dtype(data.dtype),
+                tuple(int(s) for s in data.shape),
+                data,
+            )
+        )
+        entry: dict[str, Any] = {"tensor": name, "kind": kind.name}
+        if kind.name == "prng_key":
+            entry["impl"] = str(jax.random.key_impl(leaf))
+        return entry
 
-    def visit(node: Any, path: tuple[str, ...]) -> Any:
+    def visit(node: Any, keys: tuple[Any, ...]) -> Any:
+        if len(keys) > MAX_DEPTH:
+            raise ValueError(
+                f"{caller}: the tree is nested more than {MAX_DEPTH} levels deep at "
+                f"'{path_to_name(keys)}'."
+            )
         if node is None:
             return None
-        if is_prng_key(node):
-            data = jax.random.key_data(node)
-            impl = str(jax.random.key_impl(node))
-            name = add_tensor(path, lambda d=data: np.asarray(d), data.dtype, data.shape, data)
-            return {"tensor": name, "kind": "prng_key", "impl": impl}
-        if isinstance(node, jax.Array):
-            return {
-                "tensor": add_tensor(
-                    path, lambda n=node: np.asarray(n), node.dtype, node.shape, node
-                ),
-                "kind": "array",
-            }
-        if isinstance(node, np.ndarray):
-            return {
-                "tensor": add_tensor(path, lambda n=node: n, node.dtype, node.shape),
-                "kind": "array",
-            }
-        if isinstance(node, np.generic):
-            value = np.asarray(node)
-            return {
-                "tensor": add_tensor(path, lambda v=value: v, value.dtype, ()),
-                "kind": "numpy_scalar",
-            }
-        if isinstance(node, bool | int | float) and not isinstance(node, np.generic):
-            kind = type(node).__name__ if type(node) in (bool, int, float) else "float"
-            if kind == "int" and not -(2**63) <= node < 2**63:
-                raise OverflowError(
-                    f"save_checkpoint: leaf '{'.'.join(path)}' is the int {node}, which does "
-                    "not fit in int64."
-                )
-            value = np.asarray(
-                node, dtype={"bool": np.bool_, "int": np.int64}.get(kind, np.float64)
-            )
-            return {"tensor": add_tensor(path, lambda v=value: v, value.dtype, ()), "kind": kind}
+        kind = kind_of(node)
+        if kind is not None:
+            return add_tensor(keys, kind, node)
         if isinstance(node, str):
             return {"str": node}
-        level = _children(node)
-        if level is None:
+        pairs = _children(node)
+        if pairs is None:
             return {"skipped": type(node).__qualname__}
-        pairs, _ = level
         if isinstance(node, dict):
             entries = []
             for key, child in pairs:
                 raw = key.key
                 if not isinstance(raw, str | int) or isinstance(raw, bool):
                     raise TypeError(
-                        f"save_checkpoint: dict at '{'.'.join(path) or '<root>'}' has key "
-                        f"{raw!r} of type {type(raw).__name__}; only str and int keys can be "
-                        "saved."
+                        f"{caller}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
+                        f"{type(raw).__name__}; only str and int keys can be saved."
                     )
-                entries.append([raw, visit(child, (*path, str(raw)))])
+                entries.append([raw if type(raw) is str else int(raw), visit(child, (*keys, key))])
             return {"dict": entries}
         if type(node) in (list, tuple):
-            kind = type(node).__name__
-            return {kind: [visit(child, (*path, str(i))) for i, (_, child) in enumerate(pairs)]}
+            return {type(node).__name__: [visit(child, (*keys, key)) for key, child in pairs]}
         # Any other pytree node (Equinox module, namedtuple, dataclass): named children.
         return {
             "node": type(node).__qualname__,
-            "children": [[key_to_str(k), visit(c, (*path, key_to_str(k)))] for k, c in pairs],
+            "children": [[path_to_name((k,)), visit(c, (*keys, k))] for k, c in pairs],
         }
 
     return visit(tree, ()), tensors
 
 
-def rebuild(description: Any, load: Callable[[str], np.ndarray]) -> Any:
-    """The pytree a description stands for, with `load(name)` giving each tensor's array.
+def validate_description(description: Any, tensors: dict[str, TensorInfo], bad: Any) -> None:
+    """Checks that a description read from a file is well formed and names exactly the
+    file's tensors, each once, with a dtype/shape its kind can hold. Iterative: a hostile
+    nesting depth cannot overflow the stack."""
+    named: set[str] = set()
+    stack: list[tuple[Any, int]] = [(description, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"the tree description is nested more than {MAX_DEPTH} levels deep")
+        if node is None:
+            continue
+        if not isinstance(node, dict) or len(node) not in (1, 2, 3):
+            raise bad(f"the tree description has an invalid entry {short(node)}")
+        if "tensor" in node:
+            name, kind = node.get("tensor"), KIND_BY_NAME.get(node.get("kind", "array"))
+            extra = set(node) - {"tensor", "kind", "impl"}
+            if not isinstance(name, str) or kind is None or extra:
+                raise bad(f"the tree description has an invalid tensor entry {short(node)}")
+            if (kind.name == "prng_key") != isinstance(node.get("impl"), str):
+                raise bad(f"the tree description has an invalid tensor entry {short(node)}")
+            if name not in tensors:
+                raise bad(f"the tree names tensor '{short(name)}', which the file lacks")
+            if name in named:
+                raise bad(f"the tree names tensor '{short(name)}' twice")
+            named.add(name)
+            info = tensors[name]
+            if kind.scalar_type is not None or kind.name == "numpy_scalar":
+                wanted = {"bool": "b", "int": "iu", "float": "f"}.get(kind.name, "biuf")
+                if info.shape != () or (
+                    kind.name != "numpy_scalar" and info.dtype.kind not in wanted
+                ):
+                    raise bad(
+                        f"tensor '{short(name)}' is a {kind.name} leaf but is stored as "
+                        f"{info.dtype}{list(info.shape)}"
+                    )
+            continue
+        ((tag, value),) = node.items() if len(node) == 1 else (("node", node),)
+        if tag in ("str", "skipped") and isinstance(value, str):
+            continue
+        if tag in ("list", "tuple") and isinstance(value, list):
+            stack.extend((child, depth + 1) for child in value)
+            continue
+        if tag == "dict" and isinstance(value, list):
+            keys = []
+            for item in value:
+                if not (
+                    isinstance(item, list)
+                    and len(item) == 2
+                    and isinstance(item[0], str | int)
+                    and not isinstance(item[0], bool)
+                ):
+                    raise bad(f"the tree description has an invalid dict item {short(item)}")
+                keys.append(item[0])
+                stack.append((item[1], depth + 1))
+            if len(set(keys)) != len(keys):
+                raise bad("the tree description has a dict with a repeated key")
+            continue
+        if tag == "node" and set(node) == {"node", "children"}:
+            children = node["children"]
+            if isinstance(node["node"], str) and isinstance(children, list):
+                for item in children:
+                    if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                        raise bad(f"the tree description has an invalid field {short(item)}")
+                    stack.append((item[1], depth + 1))
+                continue
+        raise bad(f"the tree description has an invalid entry {short(node)}")
+    unnamed = set(tensors) - named
+    if unnamed:
+        raise bad(f"the file has tensors the tree does not name: {short(sorted(unnamed)[:5])}")
 
-    Custom nodes come back as dicts of their children; skipped leaves as None.
+
+_EMPTY_CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
+
+
+def rebuild(description: Any, load: Callable[[str], np.ndarray]) -> Any:
+    """The pytree a (validated) description stands for, `load(name)` giving each tensor.
+
+    Custom nodes come back as dicts of their children, skipped leaves as None.
     """
 
     def visit(d: Any) -> Any:
         if d is None:
             return None
         if "tensor" in d:
-            array = load(d["tensor"])
-            kind = d.get("kind", "array")
-            if kind == "prng_key":
-                return jax.random.wrap_key_data(jnp.asarray(array), impl=d["impl"])
-            if kind in ("int", "float", "bool"):
-                return {"int": int, "float": float, "bool": bool}[kind](array.item())
-            if kind == "numpy_scalar":
-                return array[()]
-            return array
+            return KIND_BY_NAME[d.get("kind", "array")].rebuild(load(d["tensor"]), d)
         if "str" in d:
             return d["str"]
         if "skipped" in d:
-            return None
+            # Files written before empty containers were described recorded them as skipped.
+            empty = _EMPTY_CONTAINERS.get(d["skipped"])
+            return None if empty is None else empty()
         if "dict" in d:
             return {key: visit(child) for key, child in d["dict"]}
         if "list" in d:
             return [visit(child) for child in d["list"]]
         if "tuple" in d:
             return tuple(visit(child) for child in d["tuple"])
-        if "node" in d:
-            return {key: visit(child) for key, child in d["children"]}
-        raise CheckpointFormatError(f"unknown tree description entry {d!r}")
+        return {key: visit(child) for key, child in d["children"]}
 
     return visit(description)
-
-
-def tensor_kinds(description: Any) -> dict[str, dict[str, Any]]:
-    """Every tensor entry of a description, by tensor name."""
-    found: dict[str, dict[str, Any]] = {}
-
-    def visit(d: Any) -> None:
-        if isinstance(d, dict):
-            if "tensor" in d:
-                found[d["tensor"]] = d
-                return
-            for value in d.values():
-                visit(value)
-        elif isinstance(d, list):
-            for value in d:
-                visit(value)
-
-    visit(description)
-    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,41 +440,34 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute file offset
     nbytes: int
-
-
-@dataclass(frozen=True)
-class Header:
-    tensors: dict[str, TensorInfo]
-    metadata: dict[str, str]
-    path: str
+    checksum: str | None = None
 
     @property
-    def step(self) -> Any:
-        raw = self.metadata.get("eqx_train.step")
-        return None if raw is None else json.loads(raw)
-
-    @property
-    def has_description(self) -> bool:
-        """False for a safetensors file written by another tool (no tree description)."""
-        return "eqx_train.tree" in self.metadata
-
-    @property
-    def description(self) -> Any:
-        return json.loads(self.metadata["eqx_train.tree"])
+    def code(self) -> str:
+        return _DTYPE_TO_CODE[self.dtype]
 
 
-def base_metadata(step: Any, description: Any) -> dict[str, str]:
+def base_metadata(step_text: str, description: Any) -> dict[str, str]:
     """The `__metadata__` entries every eqx_train checkpoint (file or index) carries."""
     return {
         "eqx_train.format": FORMAT_NAME,
         "eqx_train.format_version": str(FORMAT_VERSION),
-        "eqx_train.step": json.dumps(step if isinstance(step, int | float) else step.item()),
-        "eqx_train.tree": json.dumps(description, separators=(",", ":")),
+        STEP_KEY: step_text,
+        TREE_KEY: json.dumps(description, separators=(",", ":")),
     }
 
 
-def encode_header(tensors: Sequence[TensorLeaf], metadata: dict[str, str]) -> bytes:
-    entries: dict[str, Any] = {"__metadata__": metadata}
+def _encode_header(
+    tensors: Sequence[Tensor], metadata: dict[str, str], digests: Sequence[str]
+) -> bytes:
+    checksums = {
+        "algorithm": CHECKSUM_ALGORITHM,
+        "tree": xxhash.xxh3_64_hexdigest(metadata.get(TREE_KEY, "").encode()),
+        "tensors": {t.name: d for t, d in zip(tensors, digests, strict=True)},
+    }
+    entries: dict[str, Any] = {
+        "__metadata__": {**metadata, CHECKSUMS_KEY: json.dumps(checksums, separators=(",", ":"))}
+    }
     offset = 0
     for t in tensors:
         nbytes = math.prod(t.shape) * t.dtype.itemsize
@@ -313,82 +479,20 @@ def encode_header(tensors: Sequence[TensorLeaf], metadata: dict[str, str]) -> by
         offset += nbytes
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % _ALIGNMENT)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"the checkpoint header would be {len(raw)} bytes, more than the "
+            f"{MAX_HEADER_BYTES} a reader accepts; save fewer, larger leaves."
+        )
     return len(raw).to_bytes(8, "little") + raw
 
 
-def read_header(path: str) -> Header:
-    """Parses and validates the header of the safetensors file at `path`.
-
-    Checks sizes against the real file size before allocating anything, so a truncated or
-    hostile file raises CheckpointFormatError naming the file.
-    """
-
-    def bad(why: str) -> CheckpointFormatError:
-        return CheckpointFormatError(f"{path} is not a valid checkpoint: {why}.")
-
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        if file_size < 8:
-            raise bad(f"the file has {file_size} bytes, fewer than the 8-byte header length")
-        header_len = int.from_bytes(f.read(8), "little")
-        if header_len > min(MAX_HEADER_BYTES, file_size - 8):
-            raise bad(
-                f"the header claims {header_len} bytes but the file has {file_size - 8} after "
-                "the length field (truncated or not a safetensors file)"
-            )
-        raw = f.read(header_len)
+def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str], caller: str) -> None:
+    """Raises before anything is written if the file's header would be too big to read."""
     try:
-        entries = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise bad(f"the header is not JSON ({error})") from None
-    if not isinstance(entries, dict):
-        raise bad("the header is not a JSON object")
-    metadata = entries.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise bad("__metadata__ must map strings to strings")
-    data_start = 8 + header_len
-    data_size = file_size - data_start
-    tensors: dict[str, TensorInfo] = {}
-    spans = []
-    for name, entry in entries.items():
-        try:
-            code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise bad(f"tensor '{name}' has a malformed entry {entry!r}") from None
-        if code not in _CODE_TO_DTYPE:
-            raise bad(f"tensor '{name}' has unsupported dtype {code!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise bad(f"tensor '{name}' has an invalid shape {shape!r}")
-        if not all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end)):
-            raise bad(f"tensor '{name}' has invalid data offsets {[begin, end]!r}")
-        dtype = _CODE_TO_DTYPE[code]
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not 0 <= begin <= end <= data_size or end - begin != nbytes:
-            raise bad(
-                f"tensor '{name}' claims bytes [{begin}, {end}) for {nbytes} bytes of "
-                f"{code}{shape}, but the data section has {data_size} bytes"
-            )
-        tensors[name] = TensorInfo(name, dtype, tuple(shape), data_start + begin, nbytes)
-        spans.append((begin, end, name))
-    spans.sort()
-    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
-        if b1 < e0:
-            raise bad(f"tensors '{n0}' and '{n1}' overlap")
-    version = metadata.get("eqx_train.format_version")
-    if version is not None and version != str(FORMAT_VERSION):
-        raise bad(
-            f"it has eqx_train format version {version}; this eqx_train reads version "
-            f"{FORMAT_VERSION}"
-        )
-    return Header(tensors, metadata, path)
-
-
-# --------------------------------------------------------------------------------------------
-# Bytes in and out.
+        _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
+    except ValueError as error:
+        raise ValueError(f"{caller}: {error}") from None
 
 
 def _as_bytes(array: np.ndarray) -> memoryview:
@@ -404,29 +508,251 @@ def write_all(fd: int, data: memoryview) -> None:
         view = view[written:]
 
 
-def write_tensors(fd: int, tensors: Sequence[TensorLeaf]) -> None:
-    """Writes each tensor's bytes in order, fetching one leaf at a time (bounded extra memory)."""
+def write_file(fd: int, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+    """The one writer: header, then each tensor's bytes fetched and hashed one leaf at a
+    time (extra memory: one leaf), then the header again with the real checksums. Digests
+    have a fixed width, so the second header has exactly the first one's length."""
+    placeholder = _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
+    write_all(fd, memoryview(placeholder))
+    digests = []
     for t in tensors:
         array = t.get()
-        if array.shape != t.shape or np.dtype(array.dtype) != t.dtype:
+        if tuple(array.shape) != t.shape or np.dtype(array.dtype) != t.dtype:
             raise RuntimeError(
                 f"save_checkpoint: leaf '{t.name}' changed from {t.dtype}{list(t.shape)} to "
                 f"{array.dtype}{list(array.shape)} while it was being saved."
             )
-        write_all(fd, _as_bytes(array))
+        data = _as_bytes(array)
+        digests.append(digest(data, _DTYPE_TO_CODE[t.dtype], t.shape))
+        write_all(fd, data)
+    header = _encode_header(tensors, metadata, digests)
+    if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
+        raise AssertionError("checkpoint header changed length")
+    os.pwrite(fd, header, 0)
 
 
-def read_tensor(fd: int, info: TensorInfo, path: str) -> np.ndarray:
-    """Reads one tensor with positioned reads into a fresh array (one copy, no other bytes)."""
-    out = np.empty(info.shape, dtype=info.dtype)
-    view = _as_bytes(out) if info.nbytes else memoryview(b"")
+def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
+    """`index` with explicit, clipped bounds in every dimension (a sharding's slices use None)."""
+    if len(index) != len(shape):
+        raise ValueError(f"index {short(index)} does not match a tensor of shape {list(shape)}")
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, bad: Callable[[str], Exception]) -> None:
     done = 0
-    while done < info.nbytes:
-        count = os.preadv(fd, [view[done:]], info.start + done)
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
         if count == 0:
-            raise CheckpointFormatError(
-                f"{path} is not a valid checkpoint: it ended while reading tensor '{info.name}' "
-                "(truncated)."
-            )
+            raise bad("it ended early (truncated)")
         done += count
-    return out
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("a JSON object repeats a key")
+    return result
+
+
+def _parse_json(raw: bytes | str, what: str, bad: Callable[[str], Exception]) -> Any:
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise bad(f"{what} is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as error:
+        raise bad(f"{what} is not valid JSON ({short(str(error), 120)})") from None
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+class FileReader:
+    """One open safetensors file: its validated header and reads of its tensors, all through
+    one file descriptor (a save that replaces the file meanwhile cannot mix two versions).
+
+    Use as a context manager. Non-regular files (a FIFO, a directory) are refused without
+    blocking.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except IsADirectoryError:
+            raise self.bad("it is a directory, not a file") from None
+        self.fd = fd
+        try:
+            self._parse()
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def bad(self, why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.path} is not a valid checkpoint: {why}.")
+
+    def __enter__(self) -> FileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _parse(self) -> None:
+        info = os.fstat(self.fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise self.bad("it is not a regular file")
+        size = info.st_size
+        if size < 8:
+            raise self.bad(f"the file has {size} bytes, fewer than the 8-byte header length")
+        length_field = bytearray(8)
+        _pread_exact(self.fd, memoryview(length_field), 0, self.bad)
+        header_len = int.from_bytes(length_field, "little")
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            raise self.bad(
+                f"the header claims {header_len} bytes, but the file has {size - 8} after the "
+                f"length field and a header may have at most {MAX_HEADER_BYTES}"
+            )
+        raw = bytearray(header_len)
+        _pread_exact(self.fd, memoryview(raw), 8, self.bad)
+        entries = _parse_json(bytes(raw), "the header", self.bad)
+        del raw
+        if not isinstance(entries, dict):
+            raise self.bad("the header is not a JSON object")
+        metadata = entries.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self.bad("__metadata__ must map strings to strings")
+        version = metadata.get("eqx_train.format_version")
+        if version is not None and version != str(FORMAT_VERSION):
+            raise self.bad(
+                f"it has eqx_train format version {short(version)}; this eqx_train reads "
+                f"version {FORMAT_VERSION}"
+            )
+        checksums = self._checksums(metadata, set(entries))
+        data_start = 8 + header_len
+        data_size = size - data_start
+        tensors: dict[str, TensorInfo] = {}
+        spans = []
+        for name, entry in entries.items():
+            if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+                raise self.bad(f"tensor '{short(name)}' has a malformed entry {short(entry)}")
+            code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(code, str) or code not in CODE_TO_DTYPE:
+                raise self.bad(f"tensor '{short(name)}' has unsupported dtype {short(code)}")
+            if (
+                not isinstance(shape, list)
+                or len(shape) > MAX_NDIM
+                or not all(_is_count(s) for s in shape)
+            ):
+                raise self.bad(f"tensor '{short(name)}' has an invalid shape {short(shape)}")
+            if not (
+                isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            ):
+                raise self.bad(f"tensor '{short(name)}' has invalid data offsets {short(offsets)}")
+            begin, end = offsets
+            dtype = CODE_TO_DTYPE[code]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not begin <= end <= data_size or end - begin != nbytes:
+                raise self.bad(
+                    f"tensor '{short(name)}' claims bytes [{begin}, {end}) for "
+                    f"{code}{short(shape)}, but the data section has {data_size} bytes"
+                )
+            checksum = None if checksums is None else checksums[name]
+            tensors[name] = TensorInfo(
+                name, dtype, tuple(shape), data_start + begin, nbytes, checksum
+            )
+            spans.append((begin, end, name))
+        spans.sort()
+        for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
+            if b1 < e0:
+                raise self.bad(f"tensors '{short(n0)}' and '{short(n1)}' overlap")
+        self.tensors = tensors
+        self.metadata: dict[str, str] = metadata
+        self._description: Any = None
+
+    def _checksums(self, metadata: dict[str, str], names: set[str]) -> dict[str, str] | None:
+        raw = metadata.get(CHECKSUMS_KEY)
+        if raw is None:
+            return None  # written before checksums existed: nothing to verify
+        parsed = _parse_json(raw, "the checksum table", self.bad)
+        ok = (
+            isinstance(parsed, dict)
+            and parsed.get("algorithm") == CHECKSUM_ALGORITHM
+            and isinstance(parsed.get("tree"), str)
+            and isinstance(parsed.get("tensors"), dict)
+            and all(isinstance(v, str) and len(v) == 16 for v in parsed["tensors"].values())
+        )
+        if not ok:
+            raise self.bad("its checksum table is malformed")
+        table: dict[str, str] = parsed["tensors"]
+        if set(table) != names:
+            odd = sorted(set(table) ^ names)[:5]
+            raise self.bad(f"its checksum table and its tensors disagree on the names {short(odd)}")
+        tree = metadata.get(TREE_KEY, "")
+        if xxhash.xxh3_64_hexdigest(tree.encode()) != parsed["tree"]:
+            raise self.bad("its tree description fails its checksum")
+        return table
+
+    # ------------------------------------------------------------------ contents
+
+    @property
+    def has_description(self) -> bool:
+        """False for a safetensors file written by another tool (no tree description)."""
+        return TREE_KEY in self.metadata
+
+    @property
+    def description(self) -> Any:
+        """The validated tree description."""
+        if self._description is None:
+            description = _parse_json(self.metadata[TREE_KEY], "the tree description", self.bad)
+            validate_description(description, self.tensors, self.bad)
+            self._description = description
+        return self._description
+
+    def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {name: (info.shape, info.dtype) for name, info in self.tensors.items()}
+
+    def read(
+        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        """Tensor `name`, or its block `index` (a tuple of slices with explicit bounds).
+
+        A whole tensor is read into its final buffer and verified against its checksum.
+        Without verification, a block reads only the rows (axis 0) that overlap it.
+        """
+        info = self.tensors[name]
+        index = None if index is None else normalize_index(index, info.shape)
+        whole = index is None or all(
+            (s.start, s.stop) == (0, d) for s, d in zip(index, info.shape, strict=True)
+        )
+        if whole or verify or not info.shape:
+            out = np.empty(info.shape, dtype=info.dtype)
+            view = _as_bytes(out) if info.nbytes else memoryview(b"")
+            _pread_exact(self.fd, view, info.start, self.bad)
+            if verify and info.checksum is not None:
+                if digest(view, info.code, info.shape) != info.checksum:
+                    raise self.bad(f"tensor '{name}' fails its checksum (the data is corrupt)")
+            return out if whole else out[index].copy()
+        assert index is not None
+        first, stop = index[0].start, index[0].stop
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+        rows = np.empty((stop - first, *info.shape[1:]), dtype=info.dtype)
+        if rows.nbytes:
+            _pread_exact(self.fd, _as_bytes(rows), info.start + first * row_bytes, self.bad)
+        return rows[(slice(None), *index[1:])].copy() if len(index) > 1 else rows
+
+    def read_many(
+        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+    ) -> dict[str, np.ndarray]:
+        """Whole tensors, read (and verified) by several threads when they are large."""
+        total = sum(self.tensors[n].nbytes for n in names)
+        if parallel and len(names) > 1 and total >= _PARALLEL_MIN_BYTES:
+            with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+                arrays = list(pool.map(lambda n: self.read(n, verify=verify), names))
+        else:
+            arrays = [self.read(n, verify=verify) for n in names]
+        return dict(zip(names, arrays, strict=True))

@@ -5,44 +5,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
 import jax
 
-from . import _files, _format
+from . import _files, _names
 from ._async import AsyncManager
-from ._checkpoints import restore_checkpoint, save_with_policy
-from ._multiprocess import INDEX_NAME, save_multiprocess_with_policy
+from ._checkpoints import open_reader, restore_checkpoint, save_pipeline
 
 T = TypeVar("T")
 _METRICS_KEY = "eqx_train.metrics"
 _USER_METADATA_KEY = "eqx_train.user_metadata"
 
 
-def _step_from_text(text: str) -> int | float:
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+class UnreadableCheckpointWarning(UserWarning):
+    """A checkpoint in a manager's directory could not be read while ranking by metric; it
+    counts as having no metric (it is kept only as one of the latest)."""
 
 
-def _read_checkpoint_header(path: str) -> _format.Header:
-    """The header holding a checkpoint's metadata: the file's, or a `.shards` index's."""
-    if os.path.isdir(path):
-        return _format.read_header(os.path.join(path, INDEX_NAME))
-    return _format.read_header(path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _metadata_of(path: str) -> dict[str, str]:
+    """A checkpoint's metadata (a file's, or a `.shards` index's); reads no tensor data."""
+    with open_reader(path) as reader:
+        return reader.metadata
 
 
 class CheckpointManager:
@@ -127,10 +114,11 @@ class CheckpointManager:
         if mode not in ("min", "max"):
             raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
         _files.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
-        if not prefix or os.sep in prefix or prefix.startswith("."):
-            raise ValueError(
-                f"CheckpointManager: prefix must be a non-empty file name prefix, got {prefix!r}."
-            )
+        if not prefix:
+            raise ValueError("CheckpointManager: prefix must be a non-empty file name prefix.")
+        _names.check_prefix(prefix, "CheckpointManager")
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise ValueError(f"CheckpointManager: timeout_s must be > 0, got {timeout_s!r}.")
         self.directory = os.fspath(directory)
         self.keep_latest = keep_latest
         self.keep_best = keep_best
@@ -141,7 +129,7 @@ class CheckpointManager:
         self.timeout_s = timeout_s
         self._async = AsyncManager() if async_save else None
         os.makedirs(self.directory, exist_ok=True)
-        self._remove_leftover_temporaries()
+        _files.remove_leftovers(self.directory, self.prefix)
 
     # ------------------------------------------------------------------ saving
 
@@ -171,19 +159,19 @@ class CheckpointManager:
             _METRICS_KEY: self._encode_metrics(metrics),
             _USER_METADATA_KEY: self._encode_metadata(metadata),
         }
-        common = {
-            "prefix": self.prefix,
-            "overwrite": overwrite,
-            "retention": self._to_delete,
-            "async_manager": self._async,
-            "extra_metadata": extra,
-            "caller": "CheckpointManager.save",
-        }
-        if jax.process_count() > 1:
-            return save_multiprocess_with_policy(
-                self.directory, state, step, timeout_s=self.timeout_s, **common
-            )
-        return save_with_policy(self.directory, state, step, **common)
+        return save_pipeline(
+            self.directory,
+            state,
+            step,
+            prefix=self.prefix,
+            overwrite=overwrite,
+            retention=self._to_delete,
+            async_manager=self._async,
+            caller="CheckpointManager.save",
+            extra_metadata=extra,
+            multiprocess=jax.process_count() > 1,
+            timeout_s=self.timeout_s,
+        )
 
     def wait(self) -> None:
         """Blocks until the background save (if any) is done; raises its error if it failed."""
@@ -210,7 +198,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int | float]:
         """Steps of the checkpoints in the directory, oldest first."""
-        return [_step_from_text(text) for _, text, _ in self._listing()]
+        return list({e.value: e.step for e in self._listing()}.values())
 
     def latest_step(self) -> int | float | None:
         """The newest step, or None when there is no checkpoint."""
@@ -221,17 +209,18 @@ class CheckpointManager:
         """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
         if not self.best_metric:
             raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
-        ranked = self._ranked([(value, text) for value, text, _ in self._listing()])
-        return _step_from_text(ranked[0]) if ranked else None
+        steps = list({e.value: (e.value, e.text) for e in self._listing()}.values())
+        ranked = self._ranked(steps)
+        return _names.step_from_text(ranked[0]) if ranked else None
 
     def metrics(self, step: int | float) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = self._header(step).metadata.get(_METRICS_KEY)
+        raw = _metadata_of(self._path(step)).get(_METRICS_KEY)
         return None if raw is None else json.loads(raw)
 
     def metadata(self, step: int | float) -> dict[str, Any] | None:
         """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = self._header(step).metadata.get(_USER_METADATA_KEY)
+        raw = _metadata_of(self._path(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
     def restore(self, target: T, step: int | float | Literal["best"] | None = None) -> T:
@@ -251,31 +240,38 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _listing(self) -> list[tuple[Decimal, str, str]]:
+    def _listing(self) -> list[_files.Entry]:
         return _files.list_checkpoints(self.directory, self.prefix)
 
     def _path(self, step: int | float) -> str:
-        path = _files.find_step(self._listing(), step)
-        if path is not None:
-            return path
+        found = _files.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
+        if found is not None:
+            return found.path
         raise ValueError(
             f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
             f"available steps: {self.all_steps()}."
         )
 
-    def _header(self, step: int | float) -> _format.Header:
-        return _read_checkpoint_header(self._path(step))
-
     def _metric_of(self, path: str) -> float | None:
-        raw = _read_checkpoint_header(path).metadata.get(_METRICS_KEY)
-        value = (json.loads(raw) or {}).get(self.best_metric or "") if raw else None
+        try:
+            raw = _metadata_of(path).get(_METRICS_KEY)
+            metrics = json.loads(raw) if raw else None
+        except (OSError, ValueError) as error:
+            warnings.warn(
+                f"CheckpointManager: cannot read the metrics of {path} ({error}); it counts "
+                "as having none.",
+                UnreadableCheckpointWarning,
+                stacklevel=3,
+            )
+            return None
+        value = metrics.get(self.best_metric or "") if isinstance(metrics, dict) else None
         if value is None or not isinstance(value, int | float) or math.isnan(value):
             return None
         return float(value)
 
     def _ranked(self, steps: list[tuple[Decimal, str]]) -> list[str]:
         """Step texts with a usable metric, best first (ties: newer first)."""
-        paths = {text: path for _, text, path in self._listing()}
+        paths = {e.text: e.path for e in self._listing()}
         scored = [(self._metric_of(paths[text]), value, text) for value, text in steps]
         usable = [(m, value, text) for m, value, text in scored if m is not None]
         sign = 1.0 if self.mode == "min" else -1.0
@@ -319,12 +315,3 @@ class CheckpointManager:
             raise TypeError(
                 f"CheckpointManager.save: metadata must be JSON-serialisable ({error})."
             ) from None
-
-    def _remove_leftover_temporaries(self) -> None:
-        _files.remove_files(
-            [
-                path
-                for path, pid in _files.leftover_temporaries(self.directory, self.prefix)
-                if not _pid_alive(pid)
-            ]
-        )

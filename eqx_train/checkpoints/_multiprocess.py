@@ -1,13 +1,18 @@
-"""Multi-process checkpoints on `jax.distributed`: every process writes its own shards,
-process 0 writes the index and commits; restore reads only the pieces each process needs.
+"""Multi-process checkpoints on `jax.distributed`: which pieces each process writes, the
+commit protocol, and the reader that assembles any block of an array from the pieces.
 
-Layout of a committed checkpoint (a directory, renamed into place atomically):
+Layout of a `.shards` checkpoint (see docs/checkpoint_format.md):
 
     {prefix}{step}.shards/
-        index.safetensors          no tensors; metadata: tree, step, and for every array its
-                                   global shape, dtype and pieces (file, tensor, slice)
-        process_00000.safetensors  the pieces process 0 owns (plain safetensors)
-        process_00001.safetensors  ...
+        index.safetensors                      the commit: no tensors; metadata holds the
+                                               tree, step, and every array's pieces
+        process_00000.{token}.safetensors      the pieces process 0 owns (plain safetensors)
+        process_00001.{token}.safetensors      ...
+
+The directory counts as a checkpoint only once its index exists. The index is written last,
+by process 0, through a temporary file renamed over the old index: an overwrite switches
+from the old pieces to the new ones in one atomic step, so a crash leaves the old checkpoint
+or the new one, never neither.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,30 +28,30 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _files, _format
-from ._async import AsyncManager
+from . import _files, _format, _names
 
-INDEX_NAME = "index.safetensors"
-_PIECES_KEY = "eqx_train.pieces"
-_ARRAYS_KEY = "eqx_train.arrays"
+PIECES_KEY = "eqx_train.pieces"
 _POLL_S = 0.02
+_MAX_PIECES = 1 << 20
 
 
 class BarrierTimeoutError(TimeoutError):
     """A multi-process checkpoint step waited longer than `timeout_s` for its peers."""
 
 
-def _process_file(pid: int) -> str:
-    return f"process_{pid:05d}{_files.SUFFIX}"
-
-
-def _broadcast_token(timeout_s: float) -> str:
-    """A random token chosen by process 0, the same on every process."""
+def broadcast_token(timeout_s: float, caller: str) -> str:
+    """A save token chosen by process 0 (it names process 0 as the writer), the same on
+    every process."""
     if jax.process_count() == 1:
-        return secrets.token_hex(8)
+        return _names.new_token()
     from jax.experimental import multihost_utils
 
-    mine = np.frombuffer(secrets.token_bytes(8), dtype=np.uint32).copy()
+    host, pid = _names.host_id(), os.getpid()
+    random = os.urandom(8)
+    mine = np.array(
+        [int(host, 16), pid, int.from_bytes(random[:4]), int.from_bytes(random[4:])],
+        dtype=np.uint32,
+    )
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -61,288 +65,372 @@ def _broadcast_token(timeout_s: float) -> str:
     thread.join(timeout_s)
     if thread.is_alive():
         raise BarrierTimeoutError(
-            f"save_checkpoint_multiprocess: process {jax.process_index()} waited {timeout_s}s "
-            "for the other processes to start the save; every process must call "
-            "save_checkpoint_multiprocess with the same step."
+            f"{caller}: process {jax.process_index()} waited {timeout_s}s for the other "
+            "processes to start the save; every process must call it with the same step."
         )
     if "error" in result:
         raise result["error"]
-    return "".join(f"{int(v):08x}" for v in result["token"])
+    h, p, r0, r1 = (int(v) for v in result["token"])
+    return f"{h:08x}-{p}-{r0:08x}{r1:08x}"
 
 
-def _wait_until(pending: Callable[[], list[str]], timeout_s: float, what: str) -> None:
-    """Polls until `pending()` (the paths still in the way) is empty, or raises
-    BarrierTimeoutError naming them."""
+def _wait_until(pending: Callable[[], list[str]], timeout_s: float, what: str, caller: str) -> None:
+    """Polls until `pending()` (what is still missing) is empty, or raises
+    BarrierTimeoutError naming it."""
     deadline = time.monotonic() + timeout_s
     while remaining := pending():
         if time.monotonic() > deadline:
             raise BarrierTimeoutError(
-                f"save_checkpoint_multiprocess: waited {timeout_s}s for {what}; still waiting "
-                f"on: {[os.path.basename(p) for p in remaining]}. A peer process probably "
-                "died or never called save; the previous checkpoint is still the latest."
+                f"{caller}: waited {timeout_s}s for {what}; still waiting on: {remaining}. "
+                "A peer process probably died or never called save; the previous "
+                "checkpoint is still the latest."
             )
         time.sleep(_POLL_S)
 
 
-def _pieces_of(tensor: _format.TensorLeaf, pid: int) -> list[tuple[list[list[int]], Any]]:
-    """The (index ranges, getter) pieces of one leaf that process `pid` writes."""
-    source = tensor.source
-    full = [[0, d] for d in tensor.shape]
-    if isinstance(source, jax.Array) and not source.is_fully_addressable:
-        pieces = []
-        for shard in source.addressable_shards:
-            if shard.replica_id != 0:
-                continue  # another device holds the copy that gets written
-            ranges = [
-                [sl.start or 0, d if sl.stop is None else sl.stop]
-                for sl, d in zip(shard.index, tensor.shape, strict=True)
+def plan_pieces(
+    tensors: list[_format.Tensor], process: int
+) -> tuple[list[_format.Tensor], dict[str, dict[str, Any]]]:
+    """The pieces process `process` writes, and for each its leaf and slice. Each shard of
+    a global array is written once (by the device with `replica_id == 0`); host-local
+    leaves are written whole by process 0."""
+    pieces: list[_format.Tensor] = []
+    where: dict[str, dict[str, Any]] = {}
+    for tensor in tensors:
+        source = tensor.source
+        if isinstance(source, jax.Array) and not source.is_fully_addressable:
+            owned = [
+                (
+                    [
+                        list(s.indices(d)[:2])
+                        for s, d in zip(shard.index, tensor.shape, strict=True)
+                    ],
+                    lambda data=shard.data: np.asarray(data),
+                )
+                for shard in source.addressable_shards
+                if shard.replica_id == 0
             ]
-            pieces.append((ranges, lambda data=shard.data: np.asarray(data)))
-        return pieces
-    return [(full, tensor.get)] if pid == 0 else []  # host-local leaves: process 0 writes
+        else:
+            owned = [([[0, d] for d in tensor.shape], tensor.get)] if process == 0 else []
+        for k, (ranges, get) in enumerate(owned):
+            name = f"{tensor.name}#{process}.{k}"
+            shape = tuple(b - a for a, b in ranges)
+            pieces.append(_format.Tensor(name, get, tensor.dtype, shape))
+            where[name] = {"leaf": tensor.name, "index": ranges}
+    return pieces, where
 
 
-def save_checkpoint_multiprocess(
-    ckpt_dir: str | os.PathLike[str],
-    target: Any,
-    step: int | float,
-    prefix: str = "checkpoint_",
-    keep: int = 1,
-    overwrite: bool = False,
-    keep_every_n_steps: int | float | None = None,
-    async_manager: AsyncManager | None = None,
+def write_and_commit(
+    final_dir: str,
+    token: str,
+    pieces: list[_format.Tensor],
+    where: dict[str, dict[str, Any]],
+    tensors: list[_format.Tensor],
+    metadata: dict[str, str],
     *,
-    timeout_s: float = 300.0,
-) -> str:
-    """Saves a checkpoint of arrays sharded over several processes; call it on every process.
-
-    Each process writes only the shards it owns (a shard replicated on several devices is
-    written once, by the device with `replica_id == 0`) into its own safetensors file, so
-    no array is ever gathered. Host-local leaves (NumPy arrays, scalars, fully addressable
-    arrays) are written by process 0. When every process's file is durable, process 0 writes
-    the index (global shapes, dtypes, which file holds which slice, the tree description),
-    renames the directory into place atomically, and applies retention. A process dying
-    mid-save leaves the previous checkpoint as the latest; the others raise
-    `BarrierTimeoutError` after `timeout_s` seconds instead of hanging.
-
-    **Arguments:** as `save_checkpoint`, plus
-
-    - `timeout_s`: how long a process waits for its peers at each synchronisation point.
-
-    `ckpt_dir` must be the same shared directory on every process. Returns the path of the
-    checkpoint directory, `{ckpt_dir}/{prefix}{step}.shards`.
-    """
-    return save_multiprocess_with_policy(
-        ckpt_dir,
-        target,
-        step,
-        prefix=prefix,
-        overwrite=overwrite,
-        retention=_files.flax_retention(keep, keep_every_n_steps, "save_checkpoint_multiprocess"),
-        async_manager=async_manager,
-        timeout_s=timeout_s,
-        caller="save_checkpoint_multiprocess",
-    )
-
-
-def save_multiprocess_with_policy(
-    ckpt_dir: str | os.PathLike[str],
-    target: Any,
-    step: int | float,
-    *,
-    prefix: str,
-    overwrite: bool,
-    retention: _files.Retention,
-    async_manager: AsyncManager | None,
     timeout_s: float,
     caller: str,
-    extra_metadata: dict[str, str] | None = None,
-) -> str:
-    """The multi-process save shared by `save_checkpoint_multiprocess` and
-    `CheckpointManager`; `retention` runs on process 0 after the commit."""
-    _files.check_step(step, caller)
-    ckpt_dir = os.fspath(ckpt_dir)
-    pid, count = jax.process_index(), jax.process_count()
-    if async_manager is not None:
-        async_manager.wait_previous_save()
-    new_value = _files.check_newer(ckpt_dir, prefix, step, overwrite, caller)
-    description, tensors = _format.describe(target, allow_global=True)
-    token = _broadcast_token(timeout_s)
-    os.makedirs(ckpt_dir, exist_ok=True)
-    name = f"{prefix}{step}{_files.SHARDED_SUFFIX}"
-    final_dir = os.path.join(ckpt_dir, name)
-    temp_dir = os.path.join(ckpt_dir, f".{name}{_files.TEMP_MARK}{token}")
-    commit_marker = os.path.join(ckpt_dir, f".{name}.committing-{token}")
-    os.makedirs(temp_dir, exist_ok=True)
-
-    pieces: list[_format.TensorLeaf] = []
-    index: dict[str, dict[str, Any]] = {}  # piece tensor name -> its leaf and slice
-    for tensor in tensors:
-        for k, (ranges, get) in enumerate(_pieces_of(tensor, pid)):
-            piece_name = f"{tensor.name}#{pid}.{k}"
-            shape = tuple(b - a for a, b in ranges)
-            pieces.append(_format.TensorLeaf(piece_name, get, tensor.dtype, shape))
-            index[piece_name] = {"leaf": tensor.name, "index": ranges}
-    if async_manager is not None:
-        pieces = [_format.snapshot(p) for p in pieces]
-
-    def write_and_commit() -> None:
-        meta = {_PIECES_KEY: json.dumps(index)}
-        header = _format.encode_header(pieces, meta)
-
-        def write(fd: int) -> None:
-            _format.write_all(fd, memoryview(header))
-            _format.write_tensors(fd, pieces)
-
-        _files.atomic_write(os.path.join(temp_dir, _process_file(pid)), write)
-        _files.atomic_write(os.path.join(temp_dir, f"done_{pid:05d}"), lambda fd: None)
-        if pid != 0:
-            # Done when process 0 has renamed the (unique) temporary directory away and then,
-            # after retention, removed the commit marker it created before the rename.
+    after_commit: Callable[[], None],
+) -> None:
+    """Every process writes its piece file and a done marker; process 0 waits for all
+    markers, writes the index (the commit), drops the replaced pieces, runs `after_commit`
+    (retention), then removes the markers, which releases the others."""
+    process, count = jax.process_index(), jax.process_count()
+    os.makedirs(final_dir, exist_ok=True)
+    markers = [os.path.join(final_dir, _names.done_marker(i, token)) for i in range(count)]
+    committed = False
+    try:
+        _files.atomic_write(
+            os.path.join(final_dir, _names.piece_file(process, token)),
+            lambda fd: _format.write_file(fd, pieces, {PIECES_KEY: json.dumps(where)}),
+        )
+        _files.atomic_write(markers[process], lambda fd: None)
+        if process != 0:
             _wait_until(
-                lambda: [p for p in (temp_dir, commit_marker) if os.path.exists(p)],
+                lambda: ["process 0"] if os.path.exists(markers[process]) else [],
                 timeout_s,
                 "process 0 to commit",
+                caller,
             )
             return
-        done = [os.path.join(temp_dir, f"done_{i:05d}") for i in range(count)]
         _wait_until(
-            lambda: [p for p in done if not os.path.exists(p)],
+            lambda: [f"process {i}" for i, m in enumerate(markers) if not os.path.exists(m)],
             timeout_s,
-            "every process to write its shards",
+            "every process to write its pieces",
+            caller,
         )
-        _write_index(temp_dir, count, description, tensors, step, extra_metadata or {})
-        _files.remove_files(done)
-        _files.atomic_write(commit_marker, lambda fd: None)
-        _commit_directory(temp_dir, final_dir)
-        _files.apply_retention(
-            ckpt_dir, prefix, new_value, overwrite=overwrite, retention=retention
+        arrays = _collect_index(final_dir, token, count, tensors, caller)
+        index_metadata = {
+            **metadata,
+            _format.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
+        }
+        _files.atomic_write(
+            os.path.join(final_dir, _names.INDEX_NAME),
+            lambda fd: _format.write_file(fd, [], index_metadata),
         )
-        _files.remove_files([commit_marker])
+        committed = True
+        _files.remove_unreferenced_pieces(
+            final_dir, {_names.piece_file(i, token) for i in range(count)}
+        )
+        after_commit()
+        for marker in markers:
+            os.remove(marker)
+    except BaseException:
+        if not committed:
+            # This save will never commit: take back what it wrote (process 0: every
+            # process's pieces of this token), so no uncommitted litter stays behind.
+            mine = {markers[process], os.path.join(final_dir, _names.piece_file(process, token))}
+            if process == 0:
+                mine |= set(markers)
+                mine |= {os.path.join(final_dir, _names.piece_file(i, token)) for i in range(count)}
+            _files.remove_paths(sorted(mine))
+            _files.remove_if_uncommitted_and_empty(final_dir)
+        raise
 
-    if async_manager is not None:
-        async_manager.save_async(write_and_commit)
-    else:
-        write_and_commit()
-    return final_dir
 
-
-def _write_index(
-    temp_dir: str, count: int, description: Any, tensors: list, step: Any, extra: dict[str, str]
-) -> None:
+def _collect_index(
+    final_dir: str, token: str, count: int, tensors: list[_format.Tensor], caller: str
+) -> dict[str, dict[str, Any]]:
     arrays: dict[str, dict[str, Any]] = {
-        t.name: {"shape": list(t.shape), "dtype": _format.dtype_code(t.dtype, t.name), "pieces": []}
+        t.name: {
+            "shape": list(t.shape),
+            "dtype": _format.dtype_code(t.dtype, t.name, caller),
+            "pieces": [],
+        }
         for t in tensors
     }
     for i in range(count):
-        file_name = _process_file(i)
-        header = _format.read_header(os.path.join(temp_dir, file_name))
-        for tensor_name, piece in json.loads(header.metadata[_PIECES_KEY]).items():
+        file_name = _names.piece_file(i, token)
+        with _format.FileReader(os.path.join(final_dir, file_name)) as reader:
+            where = json.loads(reader.metadata[PIECES_KEY])
+        for tensor_name, piece in where.items():
             arrays[piece["leaf"]]["pieces"].append(
                 {"file": file_name, "tensor": tensor_name, "index": piece["index"]}
             )
     for leaf, entry in arrays.items():
         covered = sum(math.prod(b - a for a, b in p["index"]) for p in entry["pieces"])
-        if covered != math.prod(entry["shape"]):
+        if covered != math.prod(entry["shape"]) or (not entry["shape"] and not entry["pieces"]):
             raise RuntimeError(
-                f"save_checkpoint_multiprocess: the processes wrote {covered} of "
-                f"{math.prod(entry['shape'])} elements of '{leaf}'; some shard has no owner."
+                f"{caller}: the processes wrote {covered} of {math.prod(entry['shape'])} "
+                f"elements of '{leaf}'; some shard has no owner."
             )
-    metadata = {
-        **_format.base_metadata(step, description),
-        _ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
-        **extra,
-    }
-    header = _format.encode_header([], metadata)
-    _files.atomic_write(
-        os.path.join(temp_dir, INDEX_NAME),
-        lambda fd: _format.write_all(fd, memoryview(header)),
-    )
-
-
-def _commit_directory(temp_dir: str, final_dir: str) -> None:
-    parent = os.path.dirname(final_dir)
-    if os.path.exists(final_dir):  # overwrite: move the old one aside first
-        trash = f"{temp_dir}.old"
-        os.replace(final_dir, trash)
-        os.replace(temp_dir, final_dir)
-        _files.remove_files([trash])
-    else:
-        os.replace(temp_dir, final_dir)
-    _files.fsync_dir(parent)
+    return arrays
 
 
 # ------------------------------------------------------------------------------------ restore
 
 
 def is_sharded_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX_NAME))
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, _names.INDEX_NAME))
+
+
+def _validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict[str, Any]]:
+    """Checks a whole index before anything is opened or allocated: names, dtypes, shapes,
+    piece files (plain names of this library's form, never a path), and that each array's
+    pieces lie inside it and tile it exactly once."""
+    if not isinstance(raw, dict):
+        raise bad("its array table is not a JSON object")
+    total_pieces = 0
+    for name, entry in raw.items():
+        where = f"array '{_format.short(name)}'"
+        if not isinstance(entry, dict) or set(entry) != {"shape", "dtype", "pieces"}:
+            raise bad(f"{where} has a malformed entry")
+        shape, code, pieces = entry["shape"], entry["dtype"], entry["pieces"]
+        if not isinstance(code, str) or code not in _format.CODE_TO_DTYPE:
+            raise bad(f"{where} has unsupported dtype {_format.short(code)}")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= _format.MAX_NDIM
+            and all(type(s) is int and s >= 0 for s in shape)
+        ):
+            raise bad(f"{where} has an invalid shape {_format.short(shape)}")
+        if not isinstance(pieces, list) or not pieces:
+            raise bad(f"{where} has no pieces")
+        total_pieces += len(pieces)
+        if total_pieces > _MAX_PIECES:
+            raise bad(f"the index lists more than {_MAX_PIECES} pieces")
+        boxes = []
+        for piece in pieces:
+            if not isinstance(piece, dict) or set(piece) != {"file", "tensor", "index"}:
+                raise bad(f"{where} has a malformed piece {_format.short(piece)}")
+            file, tensor, ranges = piece["file"], piece["tensor"], piece["index"]
+            if not isinstance(file, str) or _names.parse_piece_file(file) is None:
+                raise bad(f"{where} cites the file {_format.short(file)}, not a piece file name")
+            if not isinstance(tensor, str):
+                raise bad(f"{where} has a piece with tensor name {_format.short(tensor)}")
+            if not (
+                isinstance(ranges, list)
+                and len(ranges) == len(shape)
+                and all(
+                    isinstance(r, list)
+                    and len(r) == 2
+                    and all(type(v) is int for v in r)
+                    and 0 <= r[0] <= r[1] <= d
+                    for r, d in zip(ranges, shape, strict=False)
+                )
+            ):
+                raise bad(f"{where} has a piece with invalid bounds {_format.short(ranges)}")
+            boxes.append(ranges)
+        volume = sum(math.prod(b - a for a, b in box) for box in boxes)
+        if volume != math.prod(shape) or (not shape and len(boxes) != 1):
+            raise bad(f"{where}: its pieces hold {volume} of its {math.prod(shape)} elements")
+        _check_disjoint(boxes, where, bad)
+    return raw
+
+
+def _check_disjoint(
+    boxes: list[list[list[int]]], where: str, bad: Callable[[str], Exception]
+) -> None:
+    """No two non-empty pieces overlap (with the volume check: they tile the array)."""
+    if not boxes or not boxes[0]:
+        return  # a scalar: exactly one piece, checked by the caller
+    boxes = sorted((b for b in boxes if all(lo < hi for lo, hi in b)), key=lambda b: b[0][0])
+    for i, box in enumerate(boxes):
+        for other in boxes[i + 1 :]:
+            if other[0][0] >= box[0][1]:
+                break  # sorted by start on axis 0: nothing later overlaps this box
+            if all(
+                max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(box, other, strict=True)
+            ):
+                raise bad(f"{where} has overlapping pieces {box} and {other}")
 
 
 class ShardedReader:
-    """Reads arrays of a multi-process checkpoint, or only the slices a device needs."""
+    """A `.shards` checkpoint as one reader: its index (validated whole first), then any
+    block of any array, read only from the pieces that overlap it."""
 
     def __init__(self, directory: str):
-        self.directory = directory
-        self.index = _format.read_header(os.path.join(directory, INDEX_NAME))
-        self.arrays: dict[str, dict[str, Any]] = json.loads(self.index.metadata[_ARRAYS_KEY])
-        self._headers: dict[str, _format.Header] = {}
-
-    def info(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
-        entry = self.arrays[name]
-        return tuple(entry["shape"]), _format._CODE_TO_DTYPE[entry["dtype"]]
-
-    def _read_rows(self, piece: dict[str, Any], first: int, stop: int) -> np.ndarray:
-        """Rows `[first, stop)` (along axis 0, relative to the piece) of a piece: one
-        contiguous byte range of its C-ordered data, so nothing else is read."""
-        path = os.path.join(self.directory, piece["file"])
-        if path not in self._headers:
-            self._headers[path] = _format.read_header(path)
-        info = self._headers[path].tensors[piece["tensor"]]
-        if info.shape:
-            row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
-            info = _format.TensorInfo(
-                info.name,
-                info.dtype,
-                (stop - first, *info.shape[1:]),
-                info.start + first * row_bytes,
-                (stop - first) * row_bytes,
-            )
-        fd = os.open(path, os.O_RDONLY)
+        self.path = directory
+        self.index = _format.FileReader(os.path.join(directory, _names.INDEX_NAME))
+        self._files: dict[str, _format.FileReader] = {}
         try:
-            return _format.read_tensor(fd, info, path)
-        finally:
-            os.close(fd)
+            raw = self.index.metadata.get(_format.ARRAYS_KEY)
+            if raw is None:
+                raise self.bad("its index has no array table")
+            self._arrays = _validate_arrays(
+                _format._parse_json(raw, "the array table", self.bad), self.bad
+            )
+            self.metadata = self.index.metadata
+            # Open (and so pin) every piece file now: an overwrite that commits meanwhile
+            # cannot pull them away, and each header is checked against the index.
+            for name, entry in self._arrays.items():
+                dtype = _format.CODE_TO_DTYPE[entry["dtype"]]
+                for piece in entry["pieces"]:
+                    reader = self._file(piece["file"])
+                    info = reader.tensors.get(piece["tensor"])
+                    extents = tuple(b - a for a, b in piece["index"])
+                    if info is None or info.dtype != dtype or info.shape != extents:
+                        raise self.bad(
+                            f"array '{_format.short(name)}': piece "
+                            f"'{_format.short(piece['tensor'])}' is not in {piece['file']} "
+                            f"as {dtype}{list(extents)}"
+                        )
+        except BaseException:
+            self.close()
+            raise
+        self._cache: dict[tuple[str, str], np.ndarray] = {}
+        self._cached_for: str | None = None
+        self._description: Any = None
 
-    def read_block(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """The block `index` (default: all) of array `name`. Only pieces that overlap it are
-        touched, and of each only the rows (axis 0) that overlap, as one ranged read."""
-        shape, dtype = self.info(name)
-        bounds = [
-            (0, d) if index is None else (sl.start or 0, d if sl.stop is None else sl.stop)
-            for d, sl in zip(shape, index or [slice(None)] * len(shape), strict=True)
-        ]
-        out = np.empty([b - a for a, b in bounds], dtype=dtype)
-        if not shape:  # a scalar: one piece holds it
-            out[()] = self._read_rows(self.arrays[name]["pieces"][0], 0, 0)
-            return out
-        for piece in self.arrays[name]["pieces"]:
+    def bad(self, why: str) -> _format.CheckpointFormatError:
+        return _format.CheckpointFormatError(f"{self.path} is not a valid checkpoint: {why}.")
+
+    def _file(self, name: str) -> _format.FileReader:
+        if name not in self._files:
+            try:
+                self._files[name] = _format.FileReader(os.path.join(self.path, name))
+            except FileNotFoundError:
+                if not os.path.exists(os.path.join(self.path, _names.INDEX_NAME)):
+                    raise  # deleted by retention after we opened the index: a newer one exists
+                raise self.bad(f"the piece file {name} it cites is missing") from None
+        return self._files[name]
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.index.close()
+        for reader in self._files.values():
+            reader.close()
+
+    @property
+    def has_description(self) -> bool:
+        return _format.TREE_KEY in self.metadata
+
+    @property
+    def description(self) -> Any:
+        if self._description is None:
+            infos = {
+                name: _format.TensorInfo(
+                    name, _format.CODE_TO_DTYPE[e["dtype"]], tuple(e["shape"]), 0, 0
+                )
+                for name, e in self._arrays.items()
+            }
+            description = _format._parse_json(
+                self.metadata.get(_format.TREE_KEY, "null"), "the tree description", self.bad
+            )
+            _format.validate_description(description, infos, self.bad)
+            self._description = description
+        return self._description
+
+    def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {
+            name: (tuple(e["shape"]), _format.CODE_TO_DTYPE[e["dtype"]])
+            for name, e in self._arrays.items()
+        }
+
+    def read_many(
+        self, names: list[str], *, verify: bool = True, parallel: bool = True
+    ) -> dict[str, np.ndarray]:
+        return {name: self.read(name, verify=verify) for name in names}
+
+    def read(
+        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        """The block `index` (default: all) of array `name`. With `verify`, each piece it
+        touches is read whole once and checked (kept while blocks of the same array are
+        read); without, only the rows of each piece that overlap the block are read."""
+        shape, dtype = self.arrays()[name]
+        bounds = (
+            [(0, d) for d in shape]
+            if index is None
+            else [
+                s.indices(d)[:2]
+                for s, d in zip(_format.normalize_index(index, shape), shape, strict=True)
+            ]
+        )
+        if self._cached_for != name:
+            self._cache.clear()
+            self._cached_for = name
+        jobs = []
+        for piece in self._arrays[name]["pieces"]:
             overlap = [
                 (max(a, pa), min(b, pb))
                 for (a, b), (pa, pb) in zip(bounds, piece["index"], strict=True)
             ]
             if any(lo >= hi for lo, hi in overlap):
                 continue
-            (first, stop), (piece_first, _) = overlap[0], piece["index"][0]
-            rows = self._read_rows(piece, first - piece_first, stop - piece_first)
-            starts = [first] + [
-                pa for _, (pa, _) in zip(overlap[1:], piece["index"][1:], strict=True)
-            ]
+            jobs.append((piece, overlap))
+        out = np.empty([b - a for a, b in bounds], dtype=dtype)
+        if not shape:
+            jobs = [(self._arrays[name]["pieces"][0], [])]
+        for piece, overlap in jobs:
             src = tuple(
-                slice(lo - st, hi - st) for (lo, hi), st in zip(overlap, starts, strict=True)
+                slice(lo - pa, hi - pa)
+                for (lo, hi), (pa, _) in zip(overlap, piece["index"], strict=True)
             )
             dst = tuple(
                 slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, bounds, strict=True)
             )
-            out[dst] = rows[src]
+            reader = self._file(piece["file"])
+            if verify:
+                key = (piece["file"], piece["tensor"])
+                if key not in self._cache:
+                    self._cache[key] = reader.read(piece["tensor"], verify=True)
+                out[dst] = self._cache[key][src]
+            else:
+                out[dst] = reader.read(piece["tensor"], src, verify=False)
         return out

@@ -1,0 +1,205 @@
+"""Every name the checkpoint code puts on disk, and how to read one back.
+
+One module builds them all, so that the writer, listing, retention and cleanup can never
+disagree about what a name means:
+
+- `{prefix}{step}.safetensors`: a single-file checkpoint.
+- `{prefix}{step}.shards/`: a multi-process checkpoint, committed when its `index.safetensors`
+  exists; its piece files are `process_{i:05d}.{token}.safetensors`.
+- `.{final}.tmp-{writer}-{random}`: a file being written; renamed over `final` when done.
+- `.done-{i:05d}.{token}` inside a `.shards` directory: process `i` has written its pieces.
+
+`{step}` is the canonical spelling of the step (`canonical_step`): one number, one name.
+`{writer}` is `{host}-{pid}` of the process that may clean the name up if it dies, and
+`{token}` of a multi-process save starts with process 0's `{writer}`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import zlib
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+
+SUFFIX = ".safetensors"
+SHARDED_SUFFIX = ".shards"
+INDEX_NAME = "index.safetensors"
+TEMP_MARK = ".tmp-"
+MAX_NAME_BYTES = 200  # file systems allow 255; leave room for the temporary-name decoration
+
+# Canonical steps are plain decimals, or Python's shortest float spelling for tiny non-integral
+# floats ("1e-05"); earlier versions also wrote str(float) spellings such as "1.0" and "1e+16".
+_STEP = r"\d+(?:\.\d+)?(?:e[-+]\d+)?"
+_WRITER = r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)"
+_TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}{_WRITER}-[0-9a-f]{{16}}")
+# Earlier versions named temporaries without the host: `.{final}.tmp-{pid}-{32 hex}`.
+_OLD_TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}(?P<pid>\d+)-[0-9a-f]{{32}}")
+# Files written before tokens existed are `process_00000.safetensors`; they still restore.
+_PIECE = re.compile(
+    rf"process_(?P<process>\d{{5}})(?:\.(?P<token>{_WRITER}-[0-9a-f]{{16}}))?\.safetensors"
+)
+_DONE = re.compile(rf"\.done-(?P<process>\d{{5}})\.(?P<token>{_WRITER}-[0-9a-f]{{16}})")
+
+
+def host_id() -> str:
+    """This machine, as 8 hex digits (names carry it so cleanup knows whose pid it is)."""
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def writer_id() -> str:
+    return f"{host_id()}-{os.getpid()}"
+
+
+def check_prefix(prefix: Any, caller: str) -> str:
+    """`prefix` if it can only ever name files directly inside the checkpoint directory."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"{caller}: prefix must be a str, got {type(prefix).__name__}.")
+    problems = []
+    if any(sep and sep in prefix for sep in ("/", "\\", os.sep, os.altsep, "\0")):
+        problems.append("it contains a path separator or NUL, so files would land elsewhere")
+    if prefix.startswith("."):
+        problems.append("it starts with '.', which marks this library's temporary files")
+    if prefix[-1:].isdigit():
+        problems.append("it ends with a digit, so the step could not be told apart from it")
+    if len(prefix.encode()) > MAX_NAME_BYTES // 2:
+        problems.append(f"it is longer than {MAX_NAME_BYTES // 2} bytes")
+    if problems:
+        raise ValueError(
+            f"{caller}: invalid prefix {prefix!r}: {'; '.join(problems)}. Use a plain file "
+            "name prefix such as 'checkpoint_'."
+        )
+    return prefix
+
+
+def check_step(step: Any, caller: str) -> Decimal:
+    """The step as an exact Decimal; raises for anything that is not a finite number >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
+        raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
+    if isinstance(step, float | np.floating) and not math.isfinite(step):
+        raise ValueError(f"{caller}: step must be finite, got {step!r}.")
+    value = _value(step)
+    if value < 0:
+        raise ValueError(
+            f"{caller}: step must be >= 0, got {step!r} (a sign in a file name could not be "
+            "told apart from the prefix)."
+        )
+    return value
+
+
+def _value(number: Any) -> Decimal:
+    """An exact Decimal that orders steps as numbers and is equal for equal values."""
+    if isinstance(number, int | np.integer):
+        return Decimal(int(number))
+    number = float(number)
+    # Non-integral floats use their shortest spelling, so 0.1 from a name equals 0.1 passed in.
+    return Decimal(int(number)) if number.is_integer() else Decimal(repr(number))
+
+
+def canonical_step(step: Any) -> str:
+    """The one spelling of a step's value: `1`, `1.0`, `-0.0` and `np.int64(1)` are all "1";
+    a non-integral float is Python's shortest round-trip spelling ("0.5", "1e-05")."""
+    if isinstance(step, int | np.integer):
+        return str(int(step))
+    value = float(step)
+    if value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
+def step_value(text: str) -> Decimal:
+    """The numeric value of a step spelling read from a name (exact)."""
+    return _value(int(text)) if text.isdigit() else _value(float(text))
+
+
+def step_from_text(text: str) -> int | float:
+    if text.isdigit():
+        return int(text)
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def is_canonical(text: str) -> bool:
+    return canonical_step(step_from_text(text)) == text
+
+
+def checkpoint_name(prefix: str, step: Any, *, sharded: bool = False) -> str:
+    name = f"{prefix}{canonical_step(step)}{SHARDED_SUFFIX if sharded else SUFFIX}"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise ValueError(
+            f"the checkpoint name for step {step!r} would be {len(name.encode())} bytes, more "
+            f"than the {MAX_NAME_BYTES} a file name may safely have."
+        )
+    return name
+
+
+def checkpoint_pattern(prefix: str) -> re.Pattern[str]:
+    """Matches `{prefix}{step}.safetensors` / `.shards` names; groups `step` and `suffix`."""
+    suffixes = f"(?P<suffix>{re.escape(SUFFIX)}|{re.escape(SHARDED_SUFFIX)})"
+    return re.compile(rf"{re.escape(prefix)}(?P<step>{_STEP}){suffixes}")
+
+
+def temp_name(final_name: str) -> str:
+    """A hidden name next to `final_name` that never matches a checkpoint name."""
+    return f".{final_name}{TEMP_MARK}{writer_id()}-{os.urandom(8).hex()}"
+
+
+def parse_temp(name: str) -> tuple[str, str, int] | None:
+    """`(final name, host, pid)` of a `temp_name`, or None for any other name."""
+    match = _TEMP.fullmatch(name)
+    if match is not None:
+        return match["final"], match["host"], int(match["pid"])
+    match = _OLD_TEMP.fullmatch(name)
+    return None if match is None else (match["final"], host_id(), int(match["pid"]))
+
+
+def new_token() -> str:
+    """A multi-process save's token (chosen by process 0, then shared)."""
+    return f"{writer_id()}-{os.urandom(8).hex()}"
+
+
+def token_writer(token: str) -> tuple[str, int]:
+    match = re.fullmatch(_WRITER + r"-[0-9a-f]{16}", token)
+    if match is None:
+        raise ValueError(f"malformed save token {token!r}")
+    return match["host"], int(match["pid"])
+
+
+def piece_file(process: int, token: str) -> str:
+    return f"process_{process:05d}.{token}{SUFFIX}"
+
+
+def parse_piece_file(name: str) -> tuple[int, str] | None:
+    """`(process, token)` of a piece file name ("" for the token of an old untokened name),
+    or None: the only names an index may cite."""
+    match = _PIECE.fullmatch(name)
+    return None if match is None else (int(match["process"]), match["token"] or "")
+
+
+def done_marker(process: int, token: str) -> str:
+    return f".done-{process:05d}.{token}"
+
+
+def parse_done_marker(name: str) -> tuple[int, str] | None:
+    match = _DONE.fullmatch(name)
+    return None if match is None else (int(match["process"]), match["token"])
+
+
+def writer_is_dead(host: str, pid: int) -> bool:
+    """True only when the writer ran on this machine and its process is gone; a writer on
+    another host is never presumed dead."""
+    if host != host_id():
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
