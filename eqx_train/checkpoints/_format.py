@@ -156,17 +156,19 @@ def _place(array: np.ndarray, like: Any) -> Any:
 
 def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
     def fill(leaf: Any, array: np.ndarray) -> Any:
-        value = array[()]
+        value = array[()].item()  # a Python number: comparisons below are exact
         try:
-            converted = type(leaf)(value.item())
+            converted = type(leaf)(value)
         except (ValueError, OverflowError, TypeError):
             converted = None
         same = converted is not None and (
             converted == value
-            or (isinstance(converted, float) and math.isnan(converted) and np.isnan(value))
+            or (isinstance(converted, float) and math.isnan(converted) and math.isnan(value))
         )
-        if not same or (kind is not bool and isinstance(value, np.bool_)):
-            raise ValueError(f"the file holds {value!r} ({array.dtype}), not exactly a {kind}")
+        if not same or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(
+                f"the file holds {short(value)} ({array.dtype}), not exactly a {kind.__name__}"
+            )
         return converted
 
     return fill
@@ -623,7 +625,7 @@ class FileReader:
         del raw
         if not isinstance(entries, dict):
             raise self.bad("the header is not a JSON object")
-        metadata = entries.pop("__metadata__", None) or {}
+        metadata = entries.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self.bad("__metadata__ must map strings to strings")
         version = metadata.get("eqx_train.format_version")
