@@ -11,7 +11,10 @@ from ._checkpoints import (
 )
 from ._format import CheckpointFormatError as CheckpointFormatError
 from ._legacy import convert_pre_linen as convert_pre_linen
-from ._manager import CheckpointManager as CheckpointManager
+from ._manager import (
+    CheckpointManager as CheckpointManager,
+    UnreadableCheckpointWarning as UnreadableCheckpointWarning,
+)
 from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
 
 __all__ = [
@@ -25,4 +28,5 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
     "save_checkpoint_multiprocess",
+    "UnreadableCheckpointWarning",
 ]

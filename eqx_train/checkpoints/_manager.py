@@ -69,12 +69,20 @@ class CheckpointManager:
     **Example:**
 
     ```python
-    with CheckpointManager("ckpt", keep_latest=2, keep_best=1, best_metric="val_loss") as mgr:
-        for epoch in range(start, epochs):
-            ...
-            mgr.save(epoch, (state, stopper), metrics={"val_loss": val_loss},
-                     metadata={"lr": lr, "git": revision})
-    state, stopper = mgr.restore((state, stopper), step="best")
+    import tempfile
+
+    import numpy as np
+    from eqx_train.checkpoints import CheckpointManager
+
+    state = {"w": np.zeros(3, np.float32)}
+    directory = tempfile.mkdtemp()
+    with CheckpointManager(directory, keep_latest=2, keep_best=1, best_metric="val_loss") as mgr:
+        for epoch, val_loss in enumerate([0.9, 0.3, 0.5, 0.4]):
+            state = {"w": state["w"] + 1}
+            mgr.save(epoch, state, metrics={"val_loss": val_loss}, metadata={"lr": 1e-3})
+    assert mgr.all_steps() == [1, 2, 3]  # the best (1) and the latest two
+    best = mgr.restore(state, step="best")
+    assert best["w"].tolist() == [2.0, 2.0, 2.0]
     ```
 
     **Multi-process jobs:** create the manager and call `save` on every process of a
