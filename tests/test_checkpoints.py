@@ -251,10 +251,18 @@ def test_overwrite_replaces_and_removes_newer_steps(tmp_path):
     assert checkpoints.restore_checkpoint(tmp_path, None)["s"] == -2
 
 
-@pytest.mark.parametrize("keep", [0, -1, 1.5])
+@pytest.mark.parametrize("keep", [0, -1])
 def test_invalid_keep_is_rejected(tmp_path, keep):
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         checkpoints.save_checkpoint(tmp_path, {}, 1, keep=keep)
+    assert os.listdir(tmp_path) == []
+
+
+def test_non_int_keep_is_a_type_error(tmp_path):
+    # Raised by our own check, or first by a runtime type checker (jaxtyping in the tests).
+    with pytest.raises(TypeError, match="keep"):
+        checkpoints.save_checkpoint(tmp_path, {}, 1, keep=1.5)
+    assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------- restore

@@ -23,7 +23,7 @@ _RESTORE_ATTEMPTS = 5
 def save_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     target: Any,
-    step: int | float,
+    step: _names.Step,
     prefix: str = "checkpoint_",
     keep: int = 1,
     overwrite: bool = False,
@@ -87,7 +87,7 @@ def save_checkpoint(
 def save_pipeline(
     ckpt_dir: str | os.PathLike[str],
     target: Any,
-    step: int | float,
+    step: _names.Step,
     *,
     prefix: str,
     overwrite: bool,
@@ -96,7 +96,7 @@ def save_pipeline(
     caller: str,
     extra_metadata: dict[str, str] | None = None,
     multiprocess: bool = False,
-    timeout_s: float = 300.0,
+    timeout_s: int | float = 300.0,
 ) -> str:
     """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
     `CheckpointManager.save` differ only in the layout (one file, or a `.shards` directory
@@ -170,14 +170,14 @@ def save_pipeline(
 def save_checkpoint_multiprocess(
     ckpt_dir: str | os.PathLike[str],
     target: Any,
-    step: int | float,
+    step: _names.Step,
     prefix: str = "checkpoint_",
     keep: int = 1,
     overwrite: bool = False,
     keep_every_n_steps: int | float | None = None,
     async_manager: AsyncManager | None = None,
     *,
-    timeout_s: float = 300.0,
+    timeout_s: int | float = 300.0,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
 
@@ -282,6 +282,11 @@ def _resolve(ckpt_dir: str, step: Any, prefix: str) -> tuple[str | None, bool]:
         return ckpt_dir, False
     if not os.path.isdir(ckpt_dir):
         return None, False
+    if ckpt_dir.rstrip(os.sep).endswith(_names.SHARDED_SUFFIX):
+        raise _format.CheckpointFormatError(
+            f"{ckpt_dir} is not a valid checkpoint: it has no {_names.INDEX_NAME}, so its save "
+            "never committed."
+        )
     listing = _files.list_checkpoints(ckpt_dir, prefix)
     if step is None:
         newest = _files.latest(listing)
@@ -299,7 +304,7 @@ def _resolve(ckpt_dir: str, step: Any, prefix: str) -> tuple[str | None, bool]:
 def restore_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     target: T,
-    step: int | float | None = None,
+    step: _names.Step | None = None,
     prefix: str = "checkpoint_",
     parallel: bool = True,
     *,

@@ -84,7 +84,9 @@ Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
 
 
 def check_keep(keep: Any, caller: str) -> None:
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    if isinstance(keep, bool) or not isinstance(keep, int):
+        raise TypeError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
+    if keep < 1:
         raise ValueError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
 
 

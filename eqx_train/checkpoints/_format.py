@@ -149,7 +149,7 @@ def _wrap_key(array: np.ndarray, impl: Any) -> Any:
     return jax.random.wrap_key_data(jnp.asarray(array), impl=impl)
 
 
-def _place(array: np.ndarray, like: Any) -> Any:
+def _place(array: Any, like: Any) -> Any:
     sharding = getattr(like, "sharding", None)
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
 

@@ -11,6 +11,8 @@ from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
 import jax
+import numpy as np
+from jax.typing import ArrayLike
 
 from . import _files, _names
 from ._async import AsyncManager
@@ -103,7 +105,7 @@ class CheckpointManager:
         keep_every_n_steps: int | float | None = None,
         prefix: str = "checkpoint_",
         async_save: bool = False,
-        timeout_s: float = 300.0,
+        timeout_s: int | float = 300.0,
     ):
         if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
             raise ValueError(
@@ -143,10 +145,10 @@ class CheckpointManager:
 
     def save(
         self,
-        step: int | float,
+        step: _names.Step,
         state: Any,
         *,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, ArrayLike] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
     ) -> str:
@@ -221,17 +223,17 @@ class CheckpointManager:
         ranked = self._ranked(steps)
         return _names.step_from_text(ranked[0]) if ranked else None
 
-    def metrics(self, step: int | float) -> dict[str, float] | None:
+    def metrics(self, step: _names.Step) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
         raw = _metadata_of(self._path(step)).get(_METRICS_KEY)
         return None if raw is None else json.loads(raw)
 
-    def metadata(self, step: int | float) -> dict[str, Any] | None:
+    def metadata(self, step: _names.Step) -> dict[str, Any] | None:
         """The user metadata saved with `step` (None if none). Reads no tensor data."""
         raw = _metadata_of(self._path(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
-    def restore(self, target: T, step: int | float | Literal["best"] | None = None) -> T:
+    def restore(self, target: T, step: _names.Step | Literal["best"] | None = None) -> T:
         """Restores `step` (default: the latest; `"best"`: the best by `best_metric`) into
         the structure of `target`, as `restore_checkpoint` does. With no checkpoint and
         `step=None`, returns `target` unchanged."""
@@ -251,7 +253,7 @@ class CheckpointManager:
     def _listing(self) -> list[_files.Entry]:
         return _files.list_checkpoints(self.directory, self.prefix)
 
-    def _path(self, step: int | float) -> str:
+    def _path(self, step: _names.Step) -> str:
         found = _files.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
         if found is not None:
             return found.path
@@ -300,13 +302,13 @@ class CheckpointManager:
         keep.update(kept_by_flax_rule)
         return [text for _, text in steps if text not in keep]
 
-    def _encode_metrics(self, metrics: Mapping[str, float] | None) -> str:
+    def _encode_metrics(self, metrics: Mapping[str, ArrayLike] | None) -> str:
         if metrics is None:
             return "null"
         encoded = {}
         for name, value in metrics.items():
             try:
-                encoded[str(name)] = float(value)
+                encoded[str(name)] = float(np.asarray(value))
             except (TypeError, ValueError):
                 raise TypeError(
                     f"CheckpointManager.save: metric '{name}' must be a number, got "

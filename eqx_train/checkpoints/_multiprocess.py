@@ -39,7 +39,7 @@ class BarrierTimeoutError(TimeoutError):
     """A multi-process checkpoint step waited longer than `timeout_s` for its peers."""
 
 
-def broadcast_token(timeout_s: float, caller: str) -> str:
+def broadcast_token(timeout_s: int | float, caller: str) -> str:
     """A save token chosen by process 0 (it names process 0 as the writer), the same on
     every process."""
     if jax.process_count() == 1:
@@ -74,7 +74,9 @@ def broadcast_token(timeout_s: float, caller: str) -> str:
     return f"{h:08x}-{p}-{r0:08x}{r1:08x}"
 
 
-def _wait_until(pending: Callable[[], list[str]], timeout_s: float, what: str, caller: str) -> None:
+def _wait_until(
+    pending: Callable[[], list[str]], timeout_s: int | float, what: str, caller: str
+) -> None:
     """Polls until `pending()` (what is still missing) is empty, or raises
     BarrierTimeoutError naming it."""
     deadline = time.monotonic() + timeout_s
@@ -128,7 +130,7 @@ def write_and_commit(
     tensors: list[_format.Tensor],
     metadata: dict[str, str],
     *,
-    timeout_s: float,
+    timeout_s: int | float,
     caller: str,
     after_commit: Callable[[], None],
 ) -> None:

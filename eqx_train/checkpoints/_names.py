@@ -22,7 +22,7 @@ import re
 import socket
 import zlib
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -44,6 +44,10 @@ _PIECE = re.compile(
     rf"process_(?P<process>\d{{5}})(?:\.(?P<token>{_WRITER}-[0-9a-f]{{16}}))?\.safetensors"
 )
 _DONE = re.compile(rf"\.done-(?P<process>\d{{5}})\.(?P<token>{_WRITER}-[0-9a-f]{{16}})")
+
+
+Step: TypeAlias = int | float | np.integer | np.floating
+"""A checkpoint step: any real number >= 0 (Python or NumPy)."""
 
 
 def host_id() -> str:
