@@ -137,6 +137,23 @@ def test_manager_latest_is_the_overwriting_save(tmp_path):
     assert manager.restore(None)["v"] == 2
 
 
+def test_a_concurrent_save_of_the_same_step_is_never_clobbered(tmp_path, monkeypatch):
+    write_file = _format.write_file
+    raced = []
+
+    def write_while_another_process_saves(fd, tensors, metadata):
+        if not raced:  # another save of step 2 commits while ours is writing
+            raced.append(True)
+            checkpoints.save_checkpoint(tmp_path, {"v": np.asarray(-2)}, 2)
+        write_file(fd, tensors, metadata)
+
+    monkeypatch.setattr(_format, "write_file", write_while_another_process_saves)
+    with pytest.raises(ValueError, match="appeared .* while this save was writing"):
+        checkpoints.save_checkpoint(tmp_path, {"v": np.asarray(2)}, 2)
+    assert os.listdir(tmp_path) == ["checkpoint_2.safetensors"]  # no temporary left either
+    assert checkpoints.restore_checkpoint(tmp_path, None)["v"] == -2
+
+
 # ---------------------------------------------------------------- 3. reserved names
 
 

@@ -115,13 +115,14 @@ def save_pipeline(
     if async_manager is not None:
         async_manager.wait_previous_save()
     description, tensors = _format.describe(target, caller=caller, allow_global=multiprocess)
+    step_text = _names.canonical_step(step)
     metadata = {
-        **_format.base_metadata(_names.canonical_step(step), description),
+        **_format.base_metadata(step_text, description),
         **(extra_metadata or {}),
     }
     _format.check_header_size(tensors, metadata, caller)
     os.makedirs(ckpt_dir, exist_ok=True)
-    _files.check_newer(ckpt_dir, prefix, value, overwrite, caller)
+    _files.check_newer(ckpt_dir, prefix, value, step_text, overwrite, caller)
     final_path = os.path.join(ckpt_dir, name)
 
     def after_commit() -> None:
@@ -147,6 +148,7 @@ def save_pipeline(
                 metadata,
                 timeout_s=timeout_s,
                 caller=caller,
+                overwrite=overwrite,
                 after_commit=after_commit,
             )
 
@@ -157,7 +159,18 @@ def save_pipeline(
 
         def commit() -> None:
             _files.remove_leftovers(ckpt_dir, prefix)
-            _files.atomic_write(final_path, lambda fd: _format.write_file(fd, tensors, metadata))
+            try:
+                _files.atomic_write(
+                    final_path,
+                    lambda fd: _format.write_file(fd, tensors, metadata),
+                    replace=overwrite,
+                )
+            except FileExistsError:
+                raise ValueError(
+                    f"{caller}: a checkpoint at step {step_text} appeared in {ckpt_dir} while "
+                    "this save was writing (a concurrent save); it was kept. Pass "
+                    "overwrite=True to replace it."
+                ) from None
             after_commit()
 
     if async_manager is not None:
@@ -259,7 +272,7 @@ Reader = _format.FileReader | _multiprocess.ShardedReader
 
 def open_reader(path: str) -> Reader:
     """The reader for a checkpoint path: a `.shards` directory or a single file."""
-    if os.path.isdir(path) and not os.path.islink(path):
+    if os.path.isdir(path):
         if _multiprocess.is_sharded_checkpoint(path):
             return _multiprocess.ShardedReader(path)
         raise _format.CheckpointFormatError(

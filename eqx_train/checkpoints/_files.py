@@ -90,14 +90,16 @@ def check_keep(keep: Any, caller: str) -> None:
         raise ValueError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
 
 
-def check_newer(ckpt_dir: str, prefix: str, value: Decimal, overwrite: bool, caller: str) -> None:
-    """Raises unless step `value` is newer than every checkpoint, or `overwrite`."""
+def check_newer(
+    ckpt_dir: str, prefix: str, value: Decimal, text: str, overwrite: bool, caller: str
+) -> None:
+    """Raises unless step `value` (spelled `text`) is newer than every checkpoint, or
+    `overwrite`."""
     newest = latest(list_checkpoints(ckpt_dir, prefix))
     if newest is not None and not overwrite and value <= newest.value:
         raise ValueError(
             f"{caller}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
-            f"and step {_names.canonical_step(_names.step_from_text(str(value)))} is not "
-            "newer. Pass overwrite=True to replace it (this also deletes every newer "
+            f"and step {text} is not newer. Pass overwrite=True to replace it (this also deletes every newer "
             "checkpoint)."
         )
 
@@ -183,9 +185,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(final_path: str, write: Callable[[int], None]) -> None:
-    """Runs `write(fd)` on a temporary file, fsyncs it, renames it to `final_path`, fsyncs the
+def atomic_write(final_path: str, write: Callable[[int], None], *, replace: bool = True) -> None:
+    """Runs `write(fd)` on a temporary file, fsyncs it, moves it to `final_path`, fsyncs the
     directory. On any error the temporary file is removed and the previous files are untouched.
+
+    With `replace=False` the move never clobbers: if `final_path` appeared meanwhile (a
+    concurrent save of the same step), `FileExistsError` is raised and nothing is changed.
     """
     directory, name = os.path.split(final_path)
     temp_path = os.path.join(directory, _names.temp_name(name))
@@ -196,12 +201,26 @@ def atomic_write(final_path: str, write: Callable[[int], None]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(temp_path, final_path)
+        if replace or not _link(temp_path, final_path):
+            os.replace(temp_path, final_path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temp_path)
         raise
     fsync_dir(directory or ".")
+
+
+def _link(temp_path: str, final_path: str) -> bool:
+    """Moves `temp_path` to `final_path` unless it exists (then FileExistsError); False
+    where the file system has no hard links, to fall back on a rename."""
+    try:
+        os.link(temp_path, final_path)
+    except FileExistsError:
+        raise
+    except OSError:
+        return False
+    os.remove(temp_path)
+    return True
 
 
 def _remove(path: str) -> None:

@@ -132,6 +132,7 @@ def write_and_commit(
     *,
     timeout_s: int | float,
     caller: str,
+    overwrite: bool,
     after_commit: Callable[[], None],
 ) -> None:
     """Every process writes its piece file and a done marker; process 0 waits for all
@@ -169,6 +170,7 @@ def write_and_commit(
         _files.atomic_write(
             os.path.join(final_dir, _names.INDEX_NAME),
             lambda fd: _format.write_file(fd, [], index_metadata),
+            replace=overwrite,
         )
         committed = True
         _files.remove_unreferenced_pieces(
