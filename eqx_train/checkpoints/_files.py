@@ -99,8 +99,8 @@ def check_newer(
     if newest is not None and not overwrite and value <= newest.value:
         raise ValueError(
             f"{caller}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
-            f"and step {text} is not newer. Pass overwrite=True to replace it (this also deletes every newer "
-            "checkpoint)."
+            f"and step {text} is not newer. Pass overwrite=True to replace it (this also "
+            "deletes every newer checkpoint)."
         )
 
 
