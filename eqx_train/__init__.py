@@ -1,5 +1,7 @@
 """eqx_train: flax.training's toolkit for JAX + Equinox, as immutable, typed pytrees."""
 
+import importlib.metadata
+
 from . import (
     checkpoints as checkpoints,
     common_utils as common_utils,
@@ -30,4 +32,4 @@ from .lr_schedule import (
 from .train_state import TrainState as TrainState
 from .train_step import jit_step as jit_step
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("eqx_train")

@@ -23,25 +23,29 @@ __all__ = [
 ]
 
 
-def _check_finite(name: str, value: float, *, positive: bool = False) -> None:
+def _check_finite(name: str, value: object, *, positive: bool = False) -> float:
+    """Returns `value` as a float after checking it is a finite real (> 0 if `positive`).
+    Takes `object`: it is the check that runs on unvalidated user input."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.number):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}.")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}.")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
+    return float(value)
 
 
-def _check_common(base_learning_rate: float, steps_per_epoch: int, warmup_length: float) -> None:
+def _check_common(
+    base_learning_rate: object, steps_per_epoch: object, warmup_length: object
+) -> None:
     _check_finite("base_learning_rate", base_learning_rate)
     _check_finite("steps_per_epoch", steps_per_epoch, positive=True)
-    _check_finite("warmup_length", warmup_length)
-    if warmup_length < 0:
+    if _check_finite("warmup_length", warmup_length) < 0:
         raise ValueError(f"warmup_length must be >= 0 epochs, got {warmup_length!r}.")
 
 
 def _warmup(
-    lr: Float[Array, "..."], step: Any, warmup_length: float, steps_per_epoch: int
+    lr: Float[Array, "..."], step: Any, warmup_length: float | int, steps_per_epoch: int | float
 ) -> Float[Array, "..."]:
     # Same operation order as flax so that the float32 results agree.
     if warmup_length > 0.0:
@@ -58,7 +62,7 @@ def _as_step(step: ArrayLike) -> Any:
 
 
 def create_constant_learning_rate_schedule(
-    base_learning_rate: float, steps_per_epoch: int, warmup_length: float = 0.0
+    base_learning_rate: float | int, steps_per_epoch: int | float, warmup_length: float | int = 0.0
 ) -> optax.Schedule:
     """Returns a constant schedule with an optional linear warm-up.
 
@@ -88,10 +92,10 @@ def create_constant_learning_rate_schedule(
 
 
 def create_stepped_learning_rate_schedule(
-    base_learning_rate: float,
-    steps_per_epoch: int,
-    lr_sched_steps: Sequence[Sequence[float]],
-    warmup_length: float = 0.0,
+    base_learning_rate: float | int,
+    steps_per_epoch: int | float,
+    lr_sched_steps: Sequence[Sequence[float | int]],
+    warmup_length: float | int = 0.0,
 ) -> optax.Schedule:
     """Returns a piecewise-constant schedule that multiplies the rate at given epochs.
 
@@ -145,10 +149,10 @@ def create_stepped_learning_rate_schedule(
 
 
 def create_cosine_learning_rate_schedule(
-    base_learning_rate: float,
-    steps_per_epoch: int,
-    halfcos_epochs: float,
-    warmup_length: float = 0.0,
+    base_learning_rate: float | int,
+    steps_per_epoch: int | float,
+    halfcos_epochs: float | int,
+    warmup_length: float | int = 0.0,
 ) -> optax.Schedule:
     """Returns a half-cosine decay from `base_learning_rate` to 0, with an optional warm-up.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -110,7 +110,7 @@ class TrainState(eqx.Module):
         tx: optax.GradientTransformation,
         trainable: Callable[[Any], bool] = eqx.is_inexact_array,
         **kwargs: Any,
-    ) -> Self:
+    ) -> "TrainState":
         """Returns a new state with `step=0` and `opt_state = tx.init(trainable leaves)`.
 
         **Arguments:**
@@ -140,7 +140,7 @@ class TrainState(eqx.Module):
         """The model, under the name flax users know (`state.params`)."""
         return self.model
 
-    def apply_gradients(self, *, grads: PyTree, **kwargs: Any) -> Self:
+    def apply_gradients(self, *, grads: PyTree, **kwargs: Any) -> "TrainState":
         """Returns a new state with `tx` applied to `grads` and `step + 1`.
 
         Runs `tx.update(grads, opt_state, params)` then `optax.apply_updates`, exactly as flax

@@ -45,15 +45,29 @@ def jit_step(
     **Example:**
 
     ```python
+    import equinox as eqx, jax, jax.numpy as jnp, optax
+    import eqx_train
+
+    model = eqx.nn.MLP(2, 1, 32, 2, key=jax.random.key(0))
+    state = eqx_train.TrainState.create(model=model, tx=optax.adam(1e-3))
+    batches = [(jnp.ones((16, 2)), jnp.zeros((16, 1)))] * 3
+
+
+    def loss_fn(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
     def train_step(state, x, y):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(state.model, x, y)
         return state.apply_gradients(grads=grads), loss
+
 
     arrays, static = eqx.partition(state, eqx.is_array)
     step = eqx_train.jit_step(train_step, static, has_aux=True)
     for x, y in batches:
         arrays, loss = step(arrays, x, y)
     state = eqx.combine(arrays, static)
+    assert int(state.step) == 3
     ```
 
     Raises `ValueError` at trace time if `fn` changes the non-array part of the state (a new

@@ -1,12 +1,10 @@
+"""Hypothesis profiles: `ci` (fast, derandomised; the default) and `thorough`."""
+
 import os
 
-# Must happen before jax is imported anywhere: the suite runs on 8 simulated CPU devices.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from hypothesis import HealthCheck, settings
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+import tests.conftest  # noqa: F401  (8 simulated CPU devices, as for tests/)
 
 settings.register_profile(
     "ci",

@@ -1,10 +1,12 @@
-"""Tree comparison helpers used by every test file."""
+"""Tree comparisons for the tests, built on `eqx.tree_equal`, and a subprocess killer."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -13,50 +15,57 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
-def _as_numpy(x: Any) -> np.ndarray:
+def _bits(x: Any, check_dtype: bool = True) -> Any:
+    """An array leaf as `(dtype, bytes)`: equal exactly when the arrays are bit-identical
+    with the same dtype and shape (so NaN equals the same NaN, and -0.0 differs from 0.0)."""
+    if not _is_array(x):
+        return x
+    dtype = x.dtype if check_dtype else None
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x)
+        x = jax.random.key_data(x)
+    x = np.asarray(x)
+    return dtype, x.reshape(-1).view(np.uint8).reshape(*x.shape, x.dtype.itemsize)
+
+
+def _nan_split(x: Any) -> Any:
+    """An inexact array leaf as `(where it is NaN, its values with NaNs set to 0)`."""
+    if not (_is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)):
+        return x
+    nan = np.isnan(np.asarray(x))
+    return nan, np.where(nan, np.zeros((), x.dtype), x)
+
+
+def _explain(a: Any, b: Any, equal) -> str:
+    """Names the leaves that differ, or shows both structures when those differ."""
+    (leaves_a, tree_a), (leaves_b, tree_b) = (jtu.tree_flatten_with_path(t) for t in (a, b))
+    if tree_a != tree_b:
+        return f"structures differ:\n{tree_a}\n{tree_b}"
+    return "leaves differ:\n" + "\n".join(
+        f"{jtu.keystr(path)}: {x!r} vs {y!r}"
+        for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True)
+        if not equal(x, y)
+    )
 
 
 def assert_trees_equal(a: Any, b: Any, *, check_dtype: bool = True) -> None:
-    """Same structure, same non-array leaves, bit-identical arrays (NaNs equal)."""
-    leaves_a, tree_a = jtu.tree_flatten_with_path(a)
-    leaves_b, tree_b = jtu.tree_flatten_with_path(b)
-    assert tree_a == tree_b, f"structures differ:\n{tree_a}\n{tree_b}"
-    for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True):
-        where = jtu.keystr(path)
-        assert _is_array(x) == _is_array(y), f"{where}: {type(x)} vs {type(y)}"
-        if not _is_array(x):
-            assert x is y or x == y, f"{where}: {x!r} != {y!r}"
-            continue
-        if check_dtype:
-            assert x.dtype == y.dtype, f"{where}: dtype {x.dtype} vs {y.dtype}"
-        xa, ya = _as_numpy(x), _as_numpy(y)
-        assert xa.shape == ya.shape, f"{where}: shape {xa.shape} vs {ya.shape}"
-        # Compare bytes, so that -0.0 vs 0.0 and NaN payloads count as differences.
-        assert xa.tobytes() == ya.tobytes(), f"{where}: values differ\n{xa}\n{ya}"
+    """Same structure, equal non-array leaves, and bit-identical arrays of the same shape and
+    (unless `check_dtype=False`) dtype; NaNs are equal when their bits are. A JAX array and a
+    NumPy array may stand for each other."""
+
+    def bits(tree):
+        return jtu.tree_map(lambda x: _bits(x, check_dtype), tree)
+
+    def equal(x, y):
+        return bool(eqx.tree_equal(bits(x), bits(y)))
+
+    assert equal(a, b), _explain(a, b, equal)
 
 
 def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-6, atol: float = 0.0) -> bool:
-    """Same structure and all array leaves close; non-array leaves equal."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        if _is_array(x) != _is_array(y):
-            return False
-        if not _is_array(x):
-            if not (x is y or x == y):
-                return False
-        elif np.shape(x) != np.shape(y) or not np.allclose(
-            np.asarray(x, np.float64),
-            np.asarray(y, np.float64),
-            rtol=rtol,
-            atol=atol,
-            equal_nan=True,
-        ):
-            return False
-    return True
+    """Same structure, equal non-array leaves, arrays of the same dtype and shape with close
+    values, and NaN in the same places."""
+    split_a, split_b = jtu.tree_map(_nan_split, a), jtu.tree_map(_nan_split, b)
+    return bool(eqx.tree_equal(split_a, split_b, rtol=rtol, atol=atol))
 
 
 def run_then_sigkill(script: str, argument: str, *, after_line: int, delay: float) -> None:

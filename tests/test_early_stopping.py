@@ -128,6 +128,6 @@ def test_reset_keeps_settings_and_clears_history():
         ({"mode": "maximum"}, "mode must be 'min' or 'max', got 'maximum'"),
     ],
 )
-def test_invalid_arguments_raise_clear_errors(kwargs, message):
+def test_invalid_arguments_raise_clear_errors(kwargs, message, without_type_checks):
     with pytest.raises(ValueError, match=message):
         EarlyStopping(**kwargs)
