@@ -44,9 +44,8 @@ def test_options_are_validated_eagerly(tmp_path, kwargs, message):
         CheckpointManager(tmp_path, **kwargs)
 
 
-def test_unknown_mode_is_refused_naming_it(tmp_path):
-    # Our ValueError, or a runtime type checker's TypeError (jaxtyping in the tests) first.
-    with pytest.raises((ValueError, TypeError), match="mode.*'lowest'"):
+def test_unknown_mode_is_refused_naming_it(tmp_path, without_type_checks):
+    with pytest.raises(ValueError, match="mode must be 'min' or 'max', got 'lowest'"):
         CheckpointManager(tmp_path, mode="lowest")
 
 
@@ -137,10 +136,9 @@ def test_reading_metrics_reads_no_tensor_data(tmp_path, monkeypatch):
     assert manager.all_steps() == [1]
 
 
-def test_bad_metric_and_metadata_are_rejected(tmp_path):
+def test_bad_metric_and_metadata_are_rejected(tmp_path, without_type_checks):
     manager = CheckpointManager(tmp_path)
-    # Our check names the metric; a runtime type checker (jaxtyping in the tests) the argument.
-    with pytest.raises(TypeError, match="metric 'loss' must be a number|metrics="):
+    with pytest.raises(TypeError, match="metric 'loss' must be a number"):
         manager.save(1, _state(1), metrics={"loss": "low"})
     with pytest.raises(TypeError, match="JSON-serialisable"):
         manager.save(1, _state(1), metadata={"fn": print})
