@@ -54,10 +54,22 @@ def edit_header(path, edit):
     write_header(path, header, body)
 
 
+def reseal(meta):
+    """Recomputes the metadata checksums, as a crafted (not a corrupted) file would."""
+    import xxhash
+
+    sums = json.loads(meta["eqx_train.checksums"])
+    sums["metadata"] = {
+        k: xxhash.xxh3_64_hexdigest(v.encode())
+        for k, v in meta.items()
+        if k != "eqx_train.checksums"
+    }
+    meta["eqx_train.checksums"] = json.dumps(sums)
+
+
 def edit_description(path, edit, *, fix_checksum=True):
     """Edits the tree description in place; by default re-seals its checksum (so only the
     description's own validation can catch the edit)."""
-    import xxhash
 
     def change(header):
         meta = header["__metadata__"]
@@ -65,9 +77,7 @@ def edit_description(path, edit, *, fix_checksum=True):
         tree = edit(tree)
         meta["eqx_train.tree"] = json.dumps(tree)
         if fix_checksum:
-            sums = json.loads(meta["eqx_train.checksums"])
-            sums["tree"] = xxhash.xxh3_64_hexdigest(meta["eqx_train.tree"].encode())
-            meta["eqx_train.checksums"] = json.dumps(sums)
+            reseal(meta)
 
     edit_header(path, change)
 
@@ -240,14 +250,23 @@ def _sharded(tmp_path):
     return path, os.path.join(path, "index.safetensors")
 
 
-def _edit_arrays(index_path, edit):
+def _edit_arrays(index_path, edit, *, fix_checksum=True):
     def change(header):
         meta = header["__metadata__"]
         arrays = json.loads(meta["eqx_train.arrays"])
         edit(arrays)
         meta["eqx_train.arrays"] = json.dumps(arrays)
+        if fix_checksum:
+            reseal(meta)
 
     edit_header(index_path, change)
+
+
+def test_a_corrupted_shards_index_fails_its_checksum(tmp_path):
+    path, index = _sharded(tmp_path)
+    _edit_arrays(index, lambda a: _piece(a).update(tensor="b#0.0"), fix_checksum=False)
+    with pytest.raises(CheckpointFormatError, match="'eqx_train.arrays' fails its checksum"):
+        checkpoints.restore_checkpoint(path, None)
 
 
 def _piece(arrays, name="a"):
@@ -266,7 +285,8 @@ def _piece(arrays, name="a"):
         (lambda a: a["a"].update(shape=[4, 3]), "pieces hold 6 of its 12"),
         (lambda a: a["a"]["pieces"].append(dict(_piece(a))), "pieces hold 12 of its 6"),
         (lambda a: a["a"].update(dtype="F64"), "is not in process_00000"),
-        (lambda a: _piece(a).update(tensor="b#0.0"), "is not in process_00000"),
+        (lambda a: _piece(a).update(tensor="b#0.0"), "cites one piece for two places"),
+        (lambda a: _piece(a).update(tensor="zz#0.0"), "is not in process_00000"),
         (lambda a: a["a"].update(pieces="x"), "no pieces"),
         (lambda a: a.update(a=[1]), "malformed entry"),
     ],
@@ -280,7 +300,8 @@ def _piece(arrays, name="a"):
         "shape-not-tiled",
         "overlap",
         "dtype",
-        "wrong-tensor",
+        "piece-cited-twice",
+        "no-such-tensor",
         "pieces-not-list",
         "entry-not-dict",
     ],
@@ -324,7 +345,9 @@ def _crafted(tmp_path, header, body=b""):
     [
         ({"a": ["F32", [1], [0, 4]]}, "malformed entry"),
         ({"a": {"dtype": "F32", "shape": [1]}}, "malformed entry"),
-        ({"a": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 4]}}, "claims bytes"),
+        ({"a": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 4]}}, "invalid shape"),
+        ({"a": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}}, "invalid shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, "claims bytes"),
         ({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}, "invalid shape"),
         ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, "invalid shape"),
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e400]}}, "data offsets"),
@@ -679,3 +702,143 @@ def test_sharded_checkpoint_pieces_are_verified(tmp_path):
     }
     with pytest.raises(CheckpointFormatError, match="fails its checksum"):
         checkpoints.restore_checkpoint(path, target)
+
+
+# ---------------------------------------------------------------- found by red-teaming
+
+
+def test_two_interleaved_overwrites_of_a_shards_step_leave_one_readable_version(tmp_path):
+    from eqx_train.checkpoints import _multiprocess
+
+    save = checkpoints.save_checkpoint_multiprocess
+    save(tmp_path, {"w": np.full(2, 0.0)}, 5)
+    collect = _multiprocess._collect_index
+
+    def another_overwrite_commits_meanwhile(*args, **kwargs):
+        _multiprocess._collect_index = collect
+        out = collect(*args, **kwargs)
+        save(tmp_path, {"w": np.full(2, 1.0)}, 5, overwrite=True)
+        return out
+
+    _multiprocess._collect_index = another_overwrite_commits_meanwhile
+    try:
+        save(tmp_path, {"w": np.full(2, 2.0)}, 5, overwrite=True)
+    finally:
+        _multiprocess._collect_index = collect
+    assert checkpoints.restore_checkpoint(tmp_path, None)["w"].tolist() == [2.0, 2.0]
+
+
+def test_restore_racing_a_shards_overwrite_returns_one_version(tmp_path, monkeypatch):
+    from eqx_train.checkpoints import _multiprocess
+
+    save = checkpoints.save_checkpoint_multiprocess
+    save(tmp_path, {"w": np.full(2, 1.0)}, 1)
+    open_piece = _multiprocess.ShardedReader._file
+    raced = []
+
+    def overwrite_before_the_pieces_are_opened(self, name):
+        if not raced:
+            raced.append(True)
+            save(tmp_path, {"w": np.full(2, 9.0)}, 1, overwrite=True)
+        return open_piece(self, name)
+
+    monkeypatch.setattr(
+        _multiprocess.ShardedReader, "_file", overwrite_before_the_pieces_are_opened
+    )
+    assert checkpoints.restore_checkpoint(tmp_path, None)["w"].tolist() == [9.0, 9.0]
+    assert raced
+
+
+def test_restore_racing_retention_of_a_shards_step_retries_on_the_newer(tmp_path, monkeypatch):
+    save = checkpoints.save_checkpoint_multiprocess
+    save(tmp_path, {"v": np.asarray(1)}, 1)
+    resolve = _checkpoints._resolve
+    calls = []
+
+    def resolve_then_save(*args):
+        found = resolve(*args)
+        if not calls:
+            save(tmp_path, {"v": np.asarray(2)}, 2, keep=1)
+        calls.append(found)
+        return found
+
+    monkeypatch.setattr(_checkpoints, "_resolve", resolve_then_save)
+    assert checkpoints.restore_checkpoint(tmp_path, None)["v"] == 2
+
+
+def test_an_index_of_many_pieces_is_checked_quickly(tmp_path):
+    import time
+
+    path, index = _sharded(tmp_path)
+    n = 20_000
+
+    def many(arrays):
+        arrays["a"] = {
+            "shape": [1, n],
+            "dtype": "F32",
+            "pieces": [
+                {"file": _piece(arrays)["file"], "tensor": f"t{i}", "index": [[0, 1], [i, i + 1]]}
+                for i in range(n)
+            ],
+        }
+
+    _edit_arrays(index, many)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointFormatError):
+        checkpoints.restore_checkpoint(path, None)
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("prefix", ["ema_1.", "run_1e", "run_1e+", "v2-"])
+def test_a_prefix_ending_like_a_number_is_refused(tmp_path, prefix):
+    with pytest.raises(ValueError, match="invalid prefix"):
+        checkpoints.save_checkpoint(tmp_path, TREE, 5, prefix=prefix)
+
+
+def test_odd_names_in_the_way_of_cleanup_never_block_a_save(tmp_path):
+    from eqx_train.checkpoints import _names
+
+    host = _names.host_id()
+    (tmp_path / f".checkpoint_5.safetensors.tmp-{host}-{_dead_pid()}-{'0' * 16}").mkdir()
+    (tmp_path / f".checkpoint_5.safetensors.tmp-{host}-{10**20}-{'1' * 16}").write_text("x")
+    checkpoints.save_checkpoint(tmp_path, TREE, 10)
+    CheckpointManager(tmp_path)
+    assert checkpoints.available_steps(tmp_path) == [10]
+
+
+def test_crafted_trees_that_cannot_be_rebuilt_are_format_errors(tmp_path):
+    checkpoints.save_checkpoint(tmp_path, {"k": jax.random.key(0)}, 1)
+    path = checkpoints.latest_checkpoint(tmp_path)
+    edit_description(path, lambda t: {"dict": [["k", dict(dict(t["dict"])["k"], impl="bogus")]]})
+    with pytest.raises(CheckpointFormatError, match="cannot be rebuilt"):
+        checkpoints.restore_checkpoint(path, None)
+    edit_description(path, lambda t: {"dict": [["\ud800", dict(t["dict"])["k"]]]})
+    with pytest.raises(CheckpointFormatError):
+        checkpoints.restore_checkpoint(path, None)
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [1 + 2j, np.ma.array([1.0, 2.0], mask=[0, 1])],
+    ids=["complex", "masked"],
+)
+def test_leaves_that_cannot_be_saved_faithfully_are_refused_naming_them(tmp_path, leaf):
+    with pytest.raises(TypeError, match="leaf 'x'"):
+        checkpoints.save_checkpoint(tmp_path, {"x": leaf}, 1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_str_enum_keys_stay_strings(tmp_path):
+    class Name(enum.StrEnum):
+        ONE = "1"
+        NAME = "name"
+
+    tree = {Name.ONE: np.ones(1), Name.NAME: np.zeros(1)}
+    checkpoints.save_checkpoint(tmp_path, tree, 1)
+    assert sorted(checkpoints.restore_checkpoint(tmp_path, None)) == ["1", "name"]
+
+
+def test_a_prng_key_of_another_implementation_is_a_mismatch(tmp_path):
+    checkpoints.save_checkpoint(tmp_path, {"k": jax.random.key(0, impl="rbg")}, 1)
+    with pytest.raises(ValueError, match="'k': file has a rbg PRNG key"):
+        checkpoints.restore_checkpoint(tmp_path, {"k": jax.random.key(0, impl="unsafe_rbg")})

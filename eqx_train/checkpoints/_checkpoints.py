@@ -275,10 +275,8 @@ def open_reader(path: str) -> Reader:
     if os.path.isdir(path):
         if _multiprocess.is_sharded_checkpoint(path):
             return _multiprocess.ShardedReader(path)
-        raise _format.CheckpointFormatError(
-            f"{path} is not a valid checkpoint: it is a directory without "
-            f"{_names.INDEX_NAME} (an uncommitted or foreign directory)."
-        )
+        # Listed as committed a moment ago: retention (which uncommits first) removed it.
+        raise FileNotFoundError(f"{path} has no {_names.INDEX_NAME} (any more)")
     return _format.FileReader(path)
 
 
@@ -426,9 +424,17 @@ def _restore_from(
             return _unflatten_names(reader.read_many(list(reader.arrays()), verify=verify))
         description = reader.description
         arrays = reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
-        return _format.rebuild(description, arrays.__getitem__)
+        try:
+            return _format.rebuild(description, arrays.__getitem__)
+        except _format.CheckpointFormatError:
+            raise
+        except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown PRNG impl
+            raise reader.bad(
+                f"its tree cannot be rebuilt ({_format.short(str(error), 160)})"
+            ) from None
 
     available = reader.arrays()
+    saved_keys = _saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
     leaves = [leaf for _, leaf in pairs]
     slots: list[tuple[int, str, _format.LeafKind]] = []
@@ -452,6 +458,14 @@ def _restore_from(
             problems.append(
                 f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
                 f"{expectation}"
+            )
+            continue
+        if kind.name == "prng_key" and saved_keys.get(name, str(jax.random.key_impl(leaf))) != str(
+            jax.random.key_impl(leaf)
+        ):
+            problems.append(
+                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects "
+                f"{jax.random.key_impl(leaf)}"
             )
             continue
         slots.append((index, name, kind))
@@ -478,6 +492,24 @@ def _restore_from(
     if problems:
         _fail(reader.path, problems, strict)
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def _saved_key_impls(reader: Reader) -> dict[str, str]:
+    """The implementation of every typed PRNG key the file's tree records, by tensor name."""
+    if not reader.has_description:
+        return {}
+    found: dict[str, str] = {}
+    stack = [reader.description]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("kind") == "prng_key":
+                found[node["tensor"]] = node["impl"]
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def _blockwise(reader: Reader, leaf: Any, kind: _format.LeafKind) -> bool:

@@ -224,7 +224,9 @@ def _link(temp_path: str, final_path: str) -> bool:
 
 
 def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    # Best effort: a name we cannot remove (a directory, another user's file) is left, and
+    # never stops a save.
+    with contextlib.suppress(OSError):
         os.remove(path)
 
 
@@ -255,13 +257,11 @@ def remove_checkpoint(entry: Entry) -> None:
     if not entry.sharded:
         _remove(entry.path)
         return
+    cited = referenced_pieces(entry.path) or set()
     _remove(os.path.join(entry.path, _names.INDEX_NAME))
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(entry.path):
-            if _ours_in_shards_dir(name):
-                _remove(os.path.join(entry.path, name))
-    with contextlib.suppress(OSError):
-        os.rmdir(entry.path)
+    # Only the pieces the removed index cited: a concurrent save's new pieces are not ours.
+    remove_paths([os.path.join(entry.path, name) for name in sorted(cited)])
+    clean_shards_dir(entry.path, keep_token=None)
 
 
 def remove_leftovers(
@@ -294,7 +294,7 @@ def remove_leftovers(
             clean_shards_dir(item.path, keep_token=keep_token)
 
 
-def _referenced_pieces(path: str) -> set[str] | None:
+def referenced_pieces(path: str) -> set[str] | None:
     """The piece files a committed `.shards` directory's index cites; None if it has no
     index; every name in the directory if the index cannot be read (then nothing goes)."""
     index = os.path.join(path, _names.INDEX_NAME)
@@ -304,8 +304,13 @@ def _referenced_pieces(path: str) -> set[str] | None:
         with _format.FileReader(index) as reader:
             arrays = json.loads(reader.metadata[_format.ARRAYS_KEY])
         return {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return set(os.listdir(path))
+        try:
+            return set(os.listdir(path))
+        except OSError:
+            return set()
 
 
 def clean_shards_dir(path: str, *, keep_token: str | None) -> None:
@@ -316,7 +321,7 @@ def clean_shards_dir(path: str, *, keep_token: str | None) -> None:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return
-    protected = _referenced_pieces(path) or set()
+    protected = referenced_pieces(path) or set()
     for name in names:
         parsed = _names.parse_piece_file(name) or _names.parse_done_marker(name)
         if parsed is not None:
@@ -331,8 +336,7 @@ def clean_shards_dir(path: str, *, keep_token: str | None) -> None:
     remove_if_uncommitted_and_empty(path)
 
 
-def remove_unreferenced_pieces(path: str, keep: set[str]) -> None:
-    """After process 0 commits an overwrite: the pieces of the replaced save go."""
-    for name in os.listdir(path):
-        if _names.parse_piece_file(name) is not None and name not in keep:
-            _remove(os.path.join(path, name))
+def remove_replaced_pieces(path: str, replaced: set[str], keep: set[str]) -> None:
+    """After process 0 commits an overwrite: the pieces the replaced index cited go, and no
+    others (a concurrent save's pieces belong to it)."""
+    remove_paths([os.path.join(path, name) for name in sorted(replaced - keep)])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import stat
 import zlib
@@ -304,6 +305,14 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
             )
         if node is None:
             return None
+        if isinstance(node, np.ma.MaskedArray) or (
+            isinstance(node, numbers.Number) and not isinstance(node, np.generic | int | float)
+        ):
+            raise TypeError(
+                f"{caller}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
+                "be saved faithfully (complex, Decimal, Fraction and masked arrays are refused "
+                "rather than dropped); convert it to an array of a supported dtype."
+            )
         kind = kind_of(node)
         if kind is not None:
             return add_tensor(keys, kind, node)
@@ -321,7 +330,12 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
                         f"{caller}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
                         f"{type(raw).__name__}; only str and int keys can be saved."
                     )
-                entries.append([raw if type(raw) is str else int(raw), visit(child, (*keys, key))])
+                entries.append(
+                    [
+                        str.__str__(raw) if isinstance(raw, str) else int(raw),
+                        visit(child, (*keys, key)),
+                    ]
+                )
             return {"dict": entries}
         if type(node) in (list, tuple):
             return {type(node).__name__: [visit(child, (*keys, key)) for key, child in pairs]}
@@ -470,7 +484,7 @@ def _encode_header(
 ) -> bytes:
     checksums = {
         "algorithm": CHECKSUM_ALGORITHM,
-        "tree": xxhash.xxh3_64_hexdigest(metadata.get(TREE_KEY, "").encode()),
+        "metadata": {key: _text_digest(value) for key, value in metadata.items()},
         "tensors": {t.name: d for t, d in zip(tensors, digests, strict=True)},
     }
     entries: dict[str, Any] = {
@@ -501,6 +515,11 @@ def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str], calle
         _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
     except ValueError as error:
         raise ValueError(f"{caller}: {error}") from None
+
+
+def _text_digest(text: str) -> str:
+    # surrogatepass: a crafted header may hold lone surrogates, which must hash, not crash.
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
 
 
 def _as_bytes(array: np.ndarray) -> memoryview:
@@ -538,7 +557,9 @@ def write_file(fd: int, tensors: Sequence[Tensor], metadata: dict[str, str]) -> 
     header = _encode_header(tensors, metadata, digests)
     if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
         raise AssertionError("checkpoint header changed length")
-    os.pwrite(fd, header, 0)
+    view, done = memoryview(header), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], done)
 
 
 def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
@@ -657,6 +678,7 @@ class FileReader:
                 not isinstance(shape, list)
                 or len(shape) > MAX_NDIM
                 or not all(_is_count(s) for s in shape)
+                or math.prod(max(s, 1) for s in shape) >= 2**62
             ):
                 raise self.bad(f"tensor '{short(name)}' has an invalid shape {short(shape)}")
             if not (
@@ -692,7 +714,7 @@ class FileReader:
         ok = (
             isinstance(parsed, dict)
             and parsed.get("algorithm") == CHECKSUM_ALGORITHM
-            and isinstance(parsed.get("tree"), str)
+            and isinstance(parsed.get("metadata"), dict)
             and isinstance(parsed.get("tensors"), dict)
             and all(isinstance(v, str) and len(v) == 16 for v in parsed["tensors"].values())
         )
@@ -702,9 +724,12 @@ class FileReader:
         if set(table) != names:
             odd = sorted(set(table) ^ names)[:5]
             raise self.bad(f"its checksum table and its tensors disagree on the names {short(odd)}")
-        tree = metadata.get(TREE_KEY, "")
-        if xxhash.xxh3_64_hexdigest(tree.encode()) != parsed["tree"]:
-            raise self.bad("its tree description fails its checksum")
+        sealed: dict[str, Any] = parsed["metadata"]
+        for key in set(metadata) - {CHECKSUMS_KEY} | set(sealed):
+            value = metadata.get(key)
+            if value is None or sealed.get(key) != _text_digest(value):
+                what = "tree description" if key == TREE_KEY else f"metadata {short(key)}"
+                raise self.bad(f"its {what} fails its checksum")
         return table
 
     # ------------------------------------------------------------------ contents

@@ -163,6 +163,7 @@ def write_and_commit(
             caller,
         )
         arrays = _collect_index(final_dir, token, count, tensors, caller)
+        replaced = _files.referenced_pieces(final_dir) or set()
         index_metadata = {
             **metadata,
             _format.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
@@ -173,8 +174,8 @@ def write_and_commit(
             replace=overwrite,
         )
         committed = True
-        _files.remove_unreferenced_pieces(
-            final_dir, {_names.piece_file(i, token) for i in range(count)}
+        _files.remove_replaced_pieces(
+            final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
         )
         after_commit()
         for marker in markers:
@@ -278,25 +279,37 @@ def _validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dic
         volume = sum(math.prod(b - a for a, b in box) for box in boxes)
         if volume != math.prod(shape) or (not shape and len(boxes) != 1):
             raise bad(f"{where}: its pieces hold {volume} of its {math.prod(shape)} elements")
-        _check_disjoint(boxes, where, bad)
+        _check_tiling(boxes, where, bad)
+    cited = [(p["file"], p["tensor"]) for e in raw.values() for p in e["pieces"]]
+    if len(set(cited)) != len(cited):
+        raise bad("the index cites one piece for two places")
     return raw
 
 
-def _check_disjoint(
+def _check_tiling(
     boxes: list[list[list[int]]], where: str, bad: Callable[[str], Exception]
 ) -> None:
-    """No two non-empty pieces overlap (with the volume check: they tile the array)."""
+    """The non-empty pieces are the cells of one grid (per-axis cut points), each cell once:
+    with the volume check, they tile the array. O(n log n), as the pieces of any sharding
+    are such a grid."""
+    boxes = [b for b in boxes if all(lo < hi for lo, hi in b)]
     if not boxes or not boxes[0]:
-        return  # a scalar: exactly one piece, checked by the caller
-    boxes = sorted((b for b in boxes if all(lo < hi for lo, hi in b)), key=lambda b: b[0][0])
-    for i, box in enumerate(boxes):
-        for other in boxes[i + 1 :]:
-            if other[0][0] >= box[0][1]:
-                break  # sorted by start on axis 0: nothing later overlaps this box
-            if all(
-                max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(box, other, strict=True)
-            ):
-                raise bad(f"{where} has overlapping pieces {box} and {other}")
+        return  # an empty array, or a scalar: one piece, checked by the caller
+    cuts = [sorted({v for box in boxes for v in box[axis]}) for axis in range(len(boxes[0]))]
+    if math.prod(len(c) - 1 for c in cuts) != len(boxes):
+        raise bad(f"{where}: its pieces do not form a grid over the array")
+    position = [{v: i for i, v in enumerate(c)} for c in cuts]
+    cells = set()
+    for box in boxes:
+        cell = tuple(position[axis][lo] for axis, (lo, _) in enumerate(box))
+        if any(
+            position[axis][hi] != i + 1
+            for axis, ((_, hi), i) in enumerate(zip(box, cell, strict=True))
+        ):
+            raise bad(f"{where}: a piece {box} spans several cells of the grid")
+        cells.add(cell)
+    if len(cells) != len(boxes):
+        raise bad(f"{where} has overlapping pieces")
 
 
 class ShardedReader:
@@ -307,6 +320,7 @@ class ShardedReader:
         self.path = directory
         self.index = _format.FileReader(os.path.join(directory, _names.INDEX_NAME))
         self._files: dict[str, _format.FileReader] = {}
+        self._records: dict[str, dict[str, Any]] = {}
         try:
             raw = self.index.metadata.get(_format.ARRAYS_KEY)
             if raw is None:
@@ -323,7 +337,13 @@ class ShardedReader:
                     reader = self._file(piece["file"])
                     info = reader.tensors.get(piece["tensor"])
                     extents = tuple(b - a for a, b in piece["index"])
-                    if info is None or info.dtype != dtype or info.shape != extents:
+                    own = self._own_records(piece["file"]).get(piece["tensor"])
+                    if (
+                        info is None
+                        or info.dtype != dtype
+                        or info.shape != extents
+                        or own != {"leaf": name, "index": piece["index"]}
+                    ):
                         raise self.bad(
                             f"array '{_format.short(name)}': piece "
                             f"'{_format.short(piece['tensor'])}' is not in {piece['file']} "
@@ -339,13 +359,21 @@ class ShardedReader:
     def bad(self, why: str) -> _format.CheckpointFormatError:
         return _format.CheckpointFormatError(f"{self.path} is not a valid checkpoint: {why}.")
 
+    def _index_replaced(self) -> bool:
+        try:
+            now = os.stat(os.path.join(self.path, _names.INDEX_NAME))
+        except FileNotFoundError:
+            return True
+        mine = os.fstat(self.index.fd)
+        return (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev)
+
     def _file(self, name: str) -> _format.FileReader:
         if name not in self._files:
             try:
                 self._files[name] = _format.FileReader(os.path.join(self.path, name))
             except FileNotFoundError:
-                if not os.path.exists(os.path.join(self.path, _names.INDEX_NAME)):
-                    raise  # deleted by retention after we opened the index: a newer one exists
+                if self._index_replaced():
+                    raise  # an overwrite or retention came after we opened the index: retry
                 raise self.bad(f"the piece file {name} it cites is missing") from None
         return self._files[name]
 
@@ -359,6 +387,14 @@ class ShardedReader:
         self.index.close()
         for reader in self._files.values():
             reader.close()
+
+    def _own_records(self, file: str) -> dict[str, Any]:
+        """What a piece file says of its own pieces (leaf and slice), to cross-check the index."""
+        if file not in self._records:
+            raw = self._file(file).metadata.get(PIECES_KEY, "{}")
+            records = _format._parse_json(raw, f"the piece table of {file}", self.bad)
+            self._records[file] = records if isinstance(records, dict) else {}
+        return self._records[file]
 
     @property
     def has_description(self) -> bool:

@@ -68,8 +68,11 @@ def check_prefix(prefix: Any, caller: str) -> str:
         problems.append("it contains a path separator or NUL, so files would land elsewhere")
     if prefix.startswith("."):
         problems.append("it starts with '.', which marks this library's temporary files")
-    if prefix[-1:].isdigit():
-        problems.append("it ends with a digit, so the step could not be told apart from it")
+    if re.search(r"\d[.eE+-]*$", prefix):
+        problems.append(
+            "it ends with a digit (and maybe '.', 'e', '+', '-'), so the step could not be told "
+            "apart from it"
+        )
     if len(prefix.encode()) > MAX_NAME_BYTES // 2:
         problems.append(f"it is longer than {MAX_NAME_BYTES // 2} bytes")
     if problems:
@@ -196,14 +199,12 @@ def parse_done_marker(name: str) -> tuple[int, str] | None:
 def writer_is_dead(host: str, pid: int) -> bool:
     """True only when the writer ran on this machine and its process is gone; a writer on
     another host is never presumed dead."""
-    if host != host_id():
-        return False
-    if pid == os.getpid():
+    if host != host_id() or pid == os.getpid() or not 0 < pid < 2**31:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
+    except OSError:
         return False
     return False
