@@ -842,3 +842,12 @@ def test_a_prng_key_of_another_implementation_is_a_mismatch(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"k": jax.random.key(0, impl="rbg")}, 1)
     with pytest.raises(ValueError, match="'k': file has a rbg PRNG key"):
         checkpoints.restore_checkpoint(tmp_path, {"k": jax.random.key(0, impl="unsafe_rbg")})
+
+
+def test_an_implausibly_dense_header_is_refused_before_parsing(tmp_path):
+    raw = b'{"x":[' + b"{}," * 400_000 + b"{}]}"
+    raw += b" " * (-(8 + len(raw)) % 8)
+    path = tmp_path / "checkpoint_1.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(CheckpointFormatError, match="far denser than any checkpoint"):
+        checkpoints.restore_checkpoint(path, None)

@@ -45,6 +45,7 @@ FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 32 * 1024 * 1024
 MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too
 MAX_NDIM = 64
+_MIN_BYTES_PER_CONTAINER = 8
 _ALIGNMENT = 8
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _PARALLEL_MIN_BYTES = 16 << 20
@@ -650,6 +651,15 @@ class FileReader:
             )
         raw = bytearray(header_len)
         _pread_exact(self.fd, memoryview(raw), 8, self.bad)
+        # Parsing costs ~60 bytes of Python objects per JSON object or array; a real header
+        # has one per 15+ bytes, a hostile one per 2. Refusing the dense ones bounds memory
+        # to a small multiple of the header size.
+        containers = raw.count(b"{") + raw.count(b"[")
+        if containers > 1024 and containers * _MIN_BYTES_PER_CONTAINER > header_len:
+            raise self.bad(
+                f"its header has {containers} JSON objects and arrays in {header_len} bytes, "
+                "far denser than any checkpoint's"
+            )
         entries = _parse_json(bytes(raw), "the header", self.bad)
         del raw
         if not isinstance(entries, dict):
