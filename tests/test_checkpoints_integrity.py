@@ -367,7 +367,7 @@ def test_crafted_headers_raise_a_short_format_error(tmp_path, header, message):
 
 def test_deeply_nested_header_json_is_a_format_error_not_a_recursion_error(tmp_path):
     path = tmp_path / "checkpoint_1.safetensors"
-    raw = b"[" * 100_000 + b"]" * 100_000
+    raw = b"[" * 100_000 + b" " * 800_000 + b"]" * 100_000  # padded: not merely dense
     path.write_bytes(len(raw).to_bytes(8, "little") + raw)
     with pytest.raises(CheckpointFormatError, match="nested too deeply"):
         checkpoints.restore_checkpoint(path, None)
