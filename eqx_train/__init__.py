@@ -11,10 +11,12 @@ from .common_utils import (
     onehot as onehot,
     shard as shard,
     shard_prng_key as shard_prng_key,
+    shard_to_mesh as shard_to_mesh,
     stack_forest as stack_forest,
 )
 from .early_stopping import EarlyStopping as EarlyStopping
 from .jax_utils import (
+    fsdp_sharding as fsdp_sharding,
     pad_shard_unpad as pad_shard_unpad,
     partial_eval_by_shape as partial_eval_by_shape,
     pmean as pmean,
