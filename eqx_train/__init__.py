@@ -3,6 +3,7 @@
 from . import (
     checkpoints as checkpoints,
     common_utils as common_utils,
+    dynamic_scale as dynamic_scale,
     jax_utils as jax_utils,
     lr_schedule as lr_schedule,
 )
@@ -14,6 +15,7 @@ from .common_utils import (
     shard_to_mesh as shard_to_mesh,
     stack_forest as stack_forest,
 )
+from .dynamic_scale import DynamicScale as DynamicScale
 from .early_stopping import EarlyStopping as EarlyStopping
 from .jax_utils import (
     fsdp_sharding as fsdp_sharding,
