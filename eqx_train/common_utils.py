@@ -116,9 +116,11 @@ def shard_to_mesh(
     ((batch, name),) = sizes.items()
     total = -(-batch // count) * count
     if total != batch and not pad:
+        axes = sharding.spec[0]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
         raise ValueError(
             f"shard_to_mesh: leaf '{name}' has batch size {batch}, which is not divisible by "
-            f"the {count} devices along mesh axes {sharding.spec[0]}. Pass pad=True to append "
+            f"the {count} devices along mesh axes {axes}. Pass pad=True to append "
             f"{total - batch} zero rows (and mask them), or drop the remainder."
         )
 
