@@ -51,7 +51,15 @@ class DynamicScale(eqx.Module):
     **Example:**
 
     ```python
-    scaler = eqx_train.DynamicScale()
+    import equinox as eqx, jax, jax.numpy as jnp, optax
+    import eqx_train
+
+    def to_half(a):
+        return a.astype(jnp.float16) if eqx.is_inexact_array(a) else a
+
+    def loss_fn(model, x, y):  # the forward pass in float16, the parameters kept in float32
+        half = jax.tree.map(to_half, model)
+        return jnp.mean((jax.vmap(half)(x.astype(jnp.float16)) - y) ** 2)
 
     @eqx.filter_jit
     def train_step(state, scaler, x, y):
@@ -60,6 +68,13 @@ class DynamicScale(eqx.Module):
         # Skip the update when the gradients overflowed; the scale has already backed off.
         keep = lambda new, old: jnp.where(is_finite, new, old) if eqx.is_array(new) else new
         return jax.tree.map(keep, new_state, state), scaler, loss
+
+    model = eqx.nn.MLP(4, 1, 32, 2, key=jax.random.key(0))
+    state = eqx_train.TrainState.create(model=model, tx=optax.sgd(1e-2))
+    scaler = eqx_train.DynamicScale()
+    x, y = jnp.ones((64, 4)), jnp.zeros((64, 1))
+    for _ in range(20):
+        state, scaler, loss = train_step(state, scaler, x, y)
     ```
 
     !!! note "Differences from flax"

@@ -269,6 +269,12 @@ def fsdp_sharding(tree: PyTree, mesh: Mesh, axis: str = "model") -> PyTree:
     state alike, since Adam's moments have the parameters' shapes):
 
     ```python
+    import equinox as eqx, jax, numpy as np, optax
+    import eqx_train
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(0))
+    state = eqx_train.TrainState.create(model=model, tx=optax.adam(1e-3))
     state = eqx.filter_shard(state, eqx_train.fsdp_sharding(state, mesh, "model"))
     ```
 
