@@ -87,20 +87,22 @@ class DynamicScale(eqx.Module):
 
     scale: Float[Array, ""] = eqx.field(converter=_float32, default=65536.0)
     fin_steps: Int[Array, ""] = eqx.field(converter=_int32, default=0)
-    growth_factor: float = eqx.field(static=True, default=2.0)
-    backoff_factor: float = eqx.field(static=True, default=0.5)
+    growth_factor: float | int = eqx.field(static=True, default=2.0)
+    backoff_factor: float | int = eqx.field(static=True, default=0.5)
     growth_interval: int = eqx.field(static=True, default=2000)
-    minimum_scale: float | None = eqx.field(static=True, default=_FLOAT32_TINY)
+    minimum_scale: float | int | None = eqx.field(static=True, default=_FLOAT32_TINY)
 
     def __check_init__(self) -> None:
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise TypeError(
+                f"DynamicScale: growth_interval must be an int, got {self.growth_interval!r}."
+            )
         problems = []
         if not self.growth_factor >= 1:
             problems.append(f"growth_factor must be >= 1, got {self.growth_factor!r}")
         if not 0 < self.backoff_factor <= 1:
             problems.append(f"backoff_factor must be in (0, 1], got {self.backoff_factor!r}")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            problems.append(f"growth_interval must be an int, got {self.growth_interval!r}")
-        elif self.growth_interval < 0:
+        if self.growth_interval < 0:
             problems.append(f"growth_interval must be >= 0, got {self.growth_interval!r}")
         if self.minimum_scale is not None and not self.minimum_scale > 0:
             problems.append(f"minimum_scale must be > 0 or None, got {self.minimum_scale!r}")
