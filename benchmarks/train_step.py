@@ -45,10 +45,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 import eqx_train  # noqa: E402
 
 STEPS_PER_SAMPLE = {64: 100, 1024: 10}  # per width: about 0.1 s to 1 s per sample here
-SAMPLES = 7
-# Wait for the devices every this many steps, as a loop that logs its loss does. With 100
-# collective steps queued at once, XLA's CPU runtime deadlocked in an all-reduce rendezvous
-# on the 2-core development machine (jax 0.10.2), for flax's pmap step as well as ours.
+SAMPLES = 11
+# Multi-device loops wait for the devices every this many steps, as a loop that logs its
+# loss does. With 100 collective steps queued at once, JAX 0.10.2's CPU runtime aborted in
+# an all-reduce rendezvous on the 2-core development machine, for flax's pmap step as well
+# as ours. One-device loops (no collectives) never wait, so their dispatch cost shows fully.
 IN_FLIGHT = 8
 PER_DEVICE_BATCH = 128
 
@@ -58,16 +59,20 @@ def _copy(tree):
 
 
 class _Loop:
-    """A step function and its carry: `sample()` runs `steps` steps and returns s/step."""
+    """A step function and its carry: `sample()` runs `steps` steps and returns s/step,
+    waiting for the devices every `in_flight` steps (never when `None`)."""
 
-    def __init__(self, steps: int, step: Callable[..., Any], carry: Any, *args: Any):
+    def __init__(
+        self, steps: int, step: Callable[..., Any], carry: Any, *args: Any, in_flight=None
+    ):
         self.steps, self.step, self.carry, self.args = steps, step, carry, args
+        self.in_flight = in_flight
 
     def sample(self) -> float:
         start = time.perf_counter()
         for i in range(self.steps):
             self.carry = self.step(self.carry, *self.args)
-            if i % IN_FLIGHT == IN_FLIGHT - 1:
+            if self.in_flight and i % self.in_flight == self.in_flight - 1:
                 jax.block_until_ready(self.carry)
         jax.block_until_ready(self.carry)
         return (time.perf_counter() - start) / self.steps
@@ -114,7 +119,7 @@ def one_device(width: int) -> dict[str, float]:
     tx = optax.adam(1e-3)
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def flax_step(state):
+    def flax_step(state, x, y):  # the batch as arguments, as for every other variant
         return state.apply_gradients(grads=jax.grad(_flax_loss)(state.params, x, y))
 
     flax_state = flax_train_state.TrainState.create(
@@ -127,7 +132,7 @@ def one_device(width: int) -> dict[str, float]:
     steps = STEPS_PER_SAMPLE[width]
     return interleaved_medians(
         {
-            "flax TrainState + jax.jit": _Loop(steps, flax_step, flax_state),
+            "flax TrainState + jax.jit": _Loop(steps, flax_step, flax_state, x, y),
             "eqx.filter_jit (naive)": _Loop(steps, eqx.filter_jit(_train_step), state, x, y),
             "eqx_train.jit_step": _Loop(
                 steps, eqx_train.jit_step(_train_step, static), arrays, x, y
@@ -184,15 +189,21 @@ def eight_devices(width: int) -> dict[str, float]:
                 jax.pmap(flax_step, axis_name="batch", donate_argnums=0),
                 flax_state,
                 *flax_batch,
+                in_flight=IN_FLIGHT,
             ),
             "eqx_train pmap track": _Loop(
                 steps,
                 jax.pmap(pmap_step, axis_name="batch", donate_argnums=0),
                 eqx_train.replicate(arrays),
                 *pmap_batch,
+                in_flight=IN_FLIGHT,
             ),
             "eqx_train mesh track (jit)": _Loop(
-                steps, eqx_train.jit_step(_train_step, static), mesh_arrays, *mesh_batch
+                steps,
+                eqx_train.jit_step(_train_step, static),
+                mesh_arrays,
+                *mesh_batch,
+                in_flight=IN_FLIGHT,
             ),
         }
     )
