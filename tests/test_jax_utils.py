@@ -11,7 +11,7 @@ import pytest
 from flax import jax_utils as flax_jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eqx_train import TrainState, jax_utils, shard, shard_to_mesh
+from eqx_train import TrainState, checkpoints, jax_utils, shard, shard_to_mesh
 from tests.helpers import assert_trees_equal
 
 
@@ -490,3 +490,35 @@ def test_fsdp_sharded_train_state_steps_like_a_single_device_state():
         strict=True,
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_fsdp_state_saved_from_a_2d_mesh_restores_onto_a_1d_mesh_of_another_size(tmp_path):
+    def make_state():
+        model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(2))
+        return TrainState.create(model=model, tx=optax.adam(1e-2))
+
+    state = make_state()
+    state = eqx.filter_shard(state, jax_utils.fsdp_sharding(state, _data_model_mesh()))
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(state.model, eqx.is_array))
+    state = state.apply_gradients(grads=grads)  # Adam moments and count are non-zero now
+    checkpoints.save_checkpoint(tmp_path, state, step=1)
+
+    mesh_1d = Mesh(np.array(jax.devices()[:2]), ("model",))
+    abstract = eqx.filter_eval_shape(make_state)
+    target = jax.tree.map(
+        lambda leaf, s: (
+            leaf if s is None else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+        ),
+        abstract,
+        jax_utils.fsdp_sharding(abstract, mesh_1d, "model"),
+    )
+    restored = checkpoints.restore_checkpoint(tmp_path, target)
+    assert restored.model.activation is jax.nn.relu
+    kernel = restored.model.layers[1].weight
+    assert kernel.sharding.mesh == mesh_1d
+    assert {s.data.shape for s in kernel.addressable_shards} == {(16, 32)}  # 32 rows over 2
+    # The optimiser is a new `optax.adam` (a static field), so compare the arrays leaf by leaf.
+    assert_trees_equal(
+        jax.device_get(jax.tree.leaves(eqx.filter(restored, eqx.is_array))),
+        jax.device_get(jax.tree.leaves(eqx.filter(state, eqx.is_array))),
+    )
