@@ -5,6 +5,7 @@ import importlib.metadata
 from . import (
     checkpoints as checkpoints,
     common_utils as common_utils,
+    dynamic_scale as dynamic_scale,
     jax_utils as jax_utils,
     lr_schedule as lr_schedule,
 )
@@ -13,10 +14,13 @@ from .common_utils import (
     onehot as onehot,
     shard as shard,
     shard_prng_key as shard_prng_key,
+    shard_to_mesh as shard_to_mesh,
     stack_forest as stack_forest,
 )
+from .dynamic_scale import DynamicScale as DynamicScale
 from .early_stopping import EarlyStopping as EarlyStopping
 from .jax_utils import (
+    fsdp_sharding as fsdp_sharding,
     pad_shard_unpad as pad_shard_unpad,
     partial_eval_by_shape as partial_eval_by_shape,
     pmean as pmean,

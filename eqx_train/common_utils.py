@@ -1,5 +1,6 @@
-"""Helpers for pmap-style data parallelism: `shard`, `shard_prng_key`, `stack_forest`,
-`get_metrics`, `onehot` (the `flax.training.common_utils` API)."""
+"""Helpers for data parallelism: `shard`, `shard_prng_key`, `stack_forest`, `get_metrics`,
+`onehot` (the `flax.training.common_utils` API, pmap track) and `shard_to_mesh`, the mesh
+track's counterpart of `shard`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
 
-from ._tree import is_array, map_arrays_with_path, path_to_name
-from .jax_utils import unreplicate
+from ._tree import is_array, map_array_leaves_batched, map_arrays_with_path, path_to_name
+from .jax_utils import _batch_sharding, _pad_rows, unreplicate
 
-__all__ = ["get_metrics", "onehot", "shard", "shard_prng_key", "stack_forest"]
+__all__ = ["get_metrics", "onehot", "shard", "shard_prng_key", "shard_to_mesh", "stack_forest"]
 
 
 def shard(xs: PyTree, num_devices: int | None = None) -> PyTree:
@@ -54,6 +56,79 @@ def shard(xs: PyTree, num_devices: int | None = None) -> PyTree:
         return x.reshape((count, batch // count, *x.shape[1:]))
 
     return map_arrays_with_path(reshape, xs)
+
+
+def shard_to_mesh(
+    xs: PyTree,
+    mesh: Mesh,
+    batch_axis: str | Sequence[str] | None = None,
+    *,
+    pad: bool = False,
+) -> PyTree:
+    """Places a host batch on `mesh`, its leading axis split over `batch_axis`: `shard` for
+    the mesh track.
+
+    Where `shard` reshapes to `(devices, batch // devices, ...)` for `jax.pmap`, this keeps
+    every array's shape and gives it the layout `NamedSharding(mesh, PartitionSpec(axes))`,
+    ready for a `jax.jit` step. All array leaves move in one `jax.device_put`.
+
+    **Arguments:**
+
+    - `xs`: a pytree whose array leaves share a leading batch axis of size `b`. Non-array
+      leaves are returned unchanged.
+    - `mesh`: the device mesh.
+    - `batch_axis`: the mesh axis, or axes, to split the batch over (every mesh axis by
+      default, as for an FSDP mesh; `"data"` on a data × model mesh to replicate each row
+      over the model axis).
+    - `pad`: when `b` is not a multiple of `n` (the number of devices along `batch_axis`),
+      append zero rows up to the next multiple instead of raising. The first `b` rows are the
+      batch; mask the rest, e.g. with `jnp.arange(padded_size) < b`.
+
+    **Returns:**
+
+    The pytree with each array leaf a `jax.Array` of shape `(b, ...)`, or
+    `(n * ceil(b / n), ...)` with `pad=True`, sharded along its first axis.
+
+    **Raises:**
+
+    `ValueError` naming the leaf path and the sizes when a leaf is a scalar, when `b` does
+    not divide over `n` devices and `pad` is off, or when leaves disagree on `b`; and when
+    `batch_axis` names no axis of `mesh`.
+    """
+    sharding, count = _batch_sharding(mesh, batch_axis, caller="shard_to_mesh")
+    sizes: dict[int, str] = {}
+
+    def check(name: str, x: Any) -> Any:
+        if np.ndim(x) == 0:
+            raise ValueError(
+                f"shard_to_mesh: leaf '{name}' is a scalar; every array leaf needs a leading "
+                f"batch axis to split over {count} devices."
+            )
+        sizes.setdefault(int(np.shape(x)[0]), name)
+        return x
+
+    map_arrays_with_path(check, xs)
+    if len(sizes) > 1:
+        found = ", ".join(f"'{name}' has {b}" for b, name in sizes.items())
+        raise ValueError(f"shard_to_mesh: leaves disagree on the batch size: {found}.")
+    if not sizes:
+        return xs
+    ((batch, name),) = sizes.items()
+    total = -(-batch // count) * count
+    if total != batch and not pad:
+        axes = sharding.spec[0]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        raise ValueError(
+            f"shard_to_mesh: leaf '{name}' has batch size {batch}, which is not divisible by "
+            f"the {count} devices along mesh axes {axes}. Pass pad=True to append "
+            f"{total - batch} zero rows (and mask them), or drop the remainder."
+        )
+
+    def place(leaves: list[Any]) -> list[Any]:
+        host = [x if total == batch else _pad_rows(x, total) for x in leaves]
+        return jax.device_put(host, sharding)
+
+    return map_array_leaves_batched(place, xs)
 
 
 def shard_prng_key(prng_key: Key[Array, ""] | ArrayLike, num_devices: int | None = None) -> Array:

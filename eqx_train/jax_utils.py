@@ -1,9 +1,13 @@
 """Multi-device utilities with `flax.jax_utils`' API, for Equinox models on today's JAX.
 
-`replicate` / `unreplicate` move whole pytrees with one transfer per call, keep the
-non-array leaves of Equinox modules, and never gather replicas; `pad_shard_unpad` runs a
-pmapped (or a mesh-sharded jitted) function on any batch size; `prefetch_to_device`,
-`pmean` and `partial_eval_by_shape` complete flax's set. Built on public JAX APIs only.
+Two tracks. The **pmap track** is flax's: `replicate` / `unreplicate` move whole pytrees
+with one transfer per call, keep the non-array leaves of Equinox modules, and never gather
+replicas; `pad_shard_unpad` runs a pmapped function on any batch size; `prefetch_to_device`,
+`pmean` and `partial_eval_by_shape` complete flax's set. The **mesh track** (`jax.jit` over
+a `Mesh`) uses the same names where they fit (`prefetch_to_device` with a sharding,
+`pad_shard_unpad(mesh=...)`), JAX's own one-liners where JAX has them (replicating a state
+is `eqx.filter_shard(state, NamedSharding(mesh, PartitionSpec()))`), and `fsdp_sharding`
+for parameters and optimiser state sharded over a mesh axis. Built on public JAX APIs only.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jaxtyping import PyTree
 from ._tree import is_array, map_array_leaves_batched, path_to_name
 
 __all__ = [
+    "fsdp_sharding",
     "pad_shard_unpad",
     "partial_eval_by_shape",
     "pmean",
@@ -235,6 +240,76 @@ def prefetch_to_device(
         yield ready
 
 
+# -------------------------------------------------------------------------------- fsdp_sharding
+
+
+def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
+    """Shards the largest dimension that `size` divides (the first of equals); none: `P()`."""
+    candidates = [(d, -i) for i, d in enumerate(shape) if d >= size and d % size == 0]
+    if not candidates:
+        return PartitionSpec()
+    _, neg_index = max(candidates)
+    spec: list[str | None] = [None] * len(shape)
+    spec[-neg_index] = axis
+    return PartitionSpec(*spec)
+
+
+def fsdp_sharding(tree: PyTree, mesh: Mesh, axis: str = "model") -> PyTree:
+    """Returns FSDP-style shardings for `tree`: each array split along one dimension over `axis`.
+
+    Every array leaf gets a `NamedSharding(mesh, spec)` that splits its largest dimension
+    divisible by the size of mesh axis `axis` over that axis (the first such dimension when
+    several are equally large) and replicates it over the other mesh axes. A leaf with no
+    such dimension (a scalar step count, a bias shorter than the axis) is replicated:
+    `PartitionSpec()`. Non-array leaves get `None`.
+
+    The result is a pytree of the same structure as `tree`, so it can be handed to
+    `eqx.filter_shard` (outside `jit`: place the state; inside: constrain it) or used as
+    `out_shardings`. The usual one-liner shards a whole `TrainState` (model and optimiser
+    state alike, since Adam's moments have the parameters' shapes):
+
+    ```python
+    import equinox as eqx, jax, numpy as np, optax
+    import eqx_train
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(0))
+    state = eqx_train.TrainState.create(model=model, tx=optax.adam(1e-3))
+    state = eqx.filter_shard(state, eqx_train.fsdp_sharding(state, mesh, "model"))
+    ```
+
+    **Arguments:**
+
+    - `tree`: any pytree; array leaves may be `jax.Array`, NumPy arrays or
+      `jax.ShapeDtypeStruct`s (e.g. from `eqx.filter_eval_shape`, to build a restore target
+      or to initialise a model that does not fit on one device).
+    - `mesh`: the device mesh.
+    - `axis`: the mesh axis to split parameters over (default `"model"`).
+
+    **Returns:**
+
+    A pytree like `tree` with a `jax.sharding.NamedSharding` at every array leaf and `None`
+    at every other leaf.
+
+    **Raises:**
+
+    `ValueError` when `axis` is not an axis of `mesh`.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"fsdp_sharding: axis {axis!r} is not an axis of the mesh; its axes are "
+            f"{tuple(mesh.axis_names)}."
+        )
+    size = int(mesh.shape[axis])
+
+    def one(leaf: Any) -> NamedSharding | None:
+        if not (is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+            return None
+        return NamedSharding(mesh, _fsdp_spec(tuple(leaf.shape), axis, size))
+
+    return jtu.tree_map(one, tree)
+
+
 # ------------------------------------------------------------------------------ pad_shard_unpad
 
 
@@ -260,7 +335,26 @@ def _batch_size(label: str, tree: PyTree, sizes: dict[int, str]) -> None:
         sizes.setdefault(int(np.shape(leaf)[0]), where)
 
 
-def _pad_to(x: Any, total: int) -> np.ndarray:
+def _batch_sharding(
+    mesh: Mesh, batch_axis: str | Sequence[str] | None, *, caller: str
+) -> tuple[NamedSharding, int]:
+    """The sharding that splits a leading batch axis over `batch_axis` (default: every mesh
+    axis), and how many shards that makes. Raises naming `caller` for an unknown axis."""
+    if batch_axis is None:
+        axes = tuple(mesh.axis_names)
+    else:
+        axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if unknown or not axes:
+        raise ValueError(
+            f"{caller}: batch_axis {batch_axis!r} must name axes of the mesh; its axes are "
+            f"{tuple(mesh.axis_names)}."
+        )
+    count = int(np.prod([mesh.shape[a] for a in axes]))
+    return NamedSharding(mesh, PartitionSpec(axes)), count
+
+
+def _pad_rows(x: Any, total: int) -> np.ndarray:
     """Copies `x` into a zero-padded host array of leading size `total` (one copy)."""
     host = np.asarray(x)
     if host.shape[0] == total:
@@ -314,18 +408,7 @@ def pad_shard_unpad(
     leaves whose batch sizes differ (flax raises an anonymous `AssertionError`).
     """
     if mesh is not None:
-        axes = (
-            tuple(mesh.axis_names)
-            if batch_axis is None
-            else ((batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis))
-        )
-        unknown = [a for a in axes if a not in mesh.axis_names]
-        if unknown:
-            raise ValueError(
-                f"pad_shard_unpad: batch_axis {unknown} not in mesh axes {mesh.axis_names}."
-            )
-        mesh_sharding = NamedSharding(mesh, PartitionSpec(tuple(axes)))
-        mesh_devices = int(np.prod([mesh.shape[a] for a in axes]))
+        mesh_sharding, mesh_devices = _batch_sharding(mesh, batch_axis, caller="pad_shard_unpad")
     else:
         mesh_sharding, mesh_devices = None, 0
     names = _argument_names(wrapped)
@@ -358,7 +441,7 @@ def pad_shard_unpad(
             def one(x: Any) -> Any:
                 if not is_array(x):
                     return x
-                padded = _pad_to(x, total)
+                padded = _pad_rows(x, total)
                 if mesh_sharding is not None:
                     return padded
                 return padded.reshape(n, per_device, *padded.shape[1:])

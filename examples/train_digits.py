@@ -1,10 +1,12 @@
 """Data-parallel training of an Equinox MLP on scikit-learn's digits, with every eqx_train part.
 
-    python examples/train_digits.py --workdir workdir
+    python examples/train_digits.py --workdir workdir                   # jax.jit over a Mesh
+    python examples/train_digits.py --workdir workdir --parallel pmap   # flax's pmap style
 
 Runs on every local device (8 simulated CPU devices when there is no accelerator), checkpoints
 every epoch, and resumes from the latest checkpoint when started again with the same
---workdir. Ends with one line: `test accuracy: 0.9xx`.
+--workdir (in either mode: both save the same unsharded state). Ends with one line:
+`test accuracy: 0.9xx`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 # Before JAX is imported: on a CPU-only machine, simulate 8 devices. The flag only affects
 # the host platform, so on a GPU machine JAX still uses the GPUs it finds.
@@ -25,12 +29,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_train  # noqa: E402
 from eqx_train import checkpoints  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Train an MLP on scikit-learn's digits (8x8 images, 10 classes), "
         "data-parallel over all local devices, with resumable checkpoints.",
@@ -41,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="workdir",
         help="where checkpoints and curves.png go; rerun with the same "
         "workdir to resume from its latest checkpoint",
+    )
+    parser.add_argument(
+        "--parallel",
+        choices=("mesh", "pmap"),
+        default="mesh",
+        help="mesh: one jax.jit step over a Mesh of all devices, the batch sharded along it "
+        "and the state replicated; pmap: jax.pmap with a leading device axis (flax's style)",
     )
     parser.add_argument("--epochs", type=int, default=30, help="maximum number of epochs")
     parser.add_argument(
@@ -93,7 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stop after this many epochs in this run, as if preempted (then rerun to resume)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 class DigitsMLP(eqx.Module):
@@ -141,6 +157,7 @@ def main(argv: list[str] | None = None) -> float:
     n_devices = len(devices)
     if args.batch_size % n_devices:
         sys.exit(f"--batch-size {args.batch_size} must be divisible by {n_devices} devices")
+    print(f"parallel: {args.parallel} over {n_devices} {devices[0].platform} devices", flush=True)
     (x_train, y_train), (x_val, y_val), (x_test, y_test) = load_data(args.seed)
     steps_per_epoch = len(x_train) // args.batch_size
 
@@ -168,43 +185,23 @@ def main(argv: list[str] | None = None) -> float:
         print(f"resuming from {checkpoints.latest_checkpoint(ckpt_dir)} at epoch {start_epoch}")
     state, stopper, history = bundle["state"], bundle["stopper"], bundle["history"]
 
-    # -- the pmapped training step: gradients averaged with pmean, buffers donated.
+    # -- the parallel track: how the state, the batches and the steps meet the devices.
     arrays, static = eqx.partition(state, eqx.is_array)
+    eval_rows = -(-args.eval_batch_size // n_devices)  # rows per device in every eval call
+    make_track = mesh_track if args.parallel == "mesh" else pmap_track
+    track = make_track(static, devices, eval_rows)
 
-    def train_step(arrays, x, y, key):
-        state = eqx.combine(arrays, static)
-
-        def loss_fn(model):
-            logits = jax.vmap(lambda xi, ki: model(xi, key=ki))(x, jax.random.split(key, len(x)))
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-            return loss, logits
-
-        (loss, logits), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(state.model)
-        grads = eqx_train.pmean(grads, "batch")
-        new_state = state.apply_gradients(grads=grads)
-        metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
-        return eqx.filter(new_state, eqx.is_array), eqx_train.pmean(metrics, "batch")
-
-    p_train_step = jax.pmap(train_step, axis_name="batch", donate_argnums=0)
-
-    # -- evaluation on sets that do not split evenly: pad_shard_unpad around a pmap.
-    def predict(arrays, x):
-        return jax.vmap(eqx.combine(arrays, static).model)(x)
-
-    p_predict = eqx_train.pad_shard_unpad(jax.pmap(predict))
-    min_rows = -(-args.eval_batch_size // n_devices)
-
-    def evaluate(replicated, x, y):
+    def evaluate(on_device, x, y):
         logits = np.concatenate(
             [
-                p_predict(replicated, x[i : i + args.eval_batch_size], min_device_batch=min_rows)
+                track.predict(on_device, x[i : i + args.eval_batch_size])
                 for i in range(0, len(x), args.eval_batch_size)
             ]
         )
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         return float(loss), float(np.mean(logits.argmax(-1) == y))
 
-    replicated = eqx_train.replicate(arrays)
+    on_device = track.place(arrays)
     manager = checkpoints.AsyncManager()
     base_key = jax.random.key(args.seed + 1)
     epochs_this_run = 0
@@ -213,7 +210,7 @@ def main(argv: list[str] | None = None) -> float:
             break
         order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
         batches = (
-            eqx_train.shard({"x": x_train[idx], "y": y_train[idx]})
+            {"x": x_train[idx], "y": y_train[idx]}
             for idx in np.split(order[: steps_per_epoch * args.batch_size], steps_per_epoch)
         )
         step_metrics = []
@@ -224,19 +221,18 @@ def main(argv: list[str] | None = None) -> float:
             disable=args.no_progress,
             file=sys.stderr,
         ) as bar:
-            for i, batch in enumerate(eqx_train.prefetch_to_device(batches, size=2)):
-                step = epoch * steps_per_epoch + i
-                keys = eqx_train.shard_prng_key(jax.random.fold_in(base_key, step), n_devices)
-                replicated, metrics = p_train_step(replicated, batch["x"], batch["y"], keys)
+            for i, batch in enumerate(track.feed(batches)):
+                step_key = jax.random.fold_in(base_key, epoch * steps_per_epoch + i)
+                on_device, metrics = track.step(on_device, batch, step_key)
                 step_metrics.append(metrics)
                 bar.update(1)
                 if i % 4 == 3 or i == steps_per_epoch - 1:
-                    last = eqx_train.unreplicate(metrics)
+                    last = track.one_copy(metrics)
                     bar.set_postfix(
                         loss=f"{float(last['loss']):.3f}", acc=f"{float(last['accuracy']):.3f}"
                     )
-        train = {k: float(v.mean()) for k, v in eqx_train.get_metrics(step_metrics).items()}
-        val_loss, val_accuracy = evaluate(replicated, x_val, y_val)
+        train = {k: float(v.mean()) for k, v in track.stack_metrics(step_metrics).items()}
+        val_loss, val_accuracy = evaluate(on_device, x_val, y_val)
         stopper = stopper.update(val_loss)
         for name, value in (
             ("train_loss", train["loss"]),
@@ -251,7 +247,7 @@ def main(argv: list[str] | None = None) -> float:
             flush=True,
         )
 
-        state = eqx.combine(eqx_train.unreplicate(replicated), static)
+        state = eqx.combine(track.one_copy(on_device), static)
         bundle = {"state": state, "stopper": stopper, "epoch": epoch, "history": history}
         checkpoints.save_checkpoint(
             ckpt_dir,
@@ -271,9 +267,90 @@ def main(argv: list[str] | None = None) -> float:
         print(f"early stopping: no val-loss improvement for {args.patience + 1} epochs")
 
     plot_curves(history, os.path.join(args.workdir, "curves.png"))
-    _, test_accuracy = evaluate(replicated, x_test, y_test)
+    _, test_accuracy = evaluate(on_device, x_test, y_test)
     print(f"test accuracy: {test_accuracy:.3f}")
     return test_accuracy
+
+
+def loss_and_metrics(model, x, y, key):
+    """Mean cross-entropy over a batch, with one dropout key per example, and its metrics."""
+    logits = jax.vmap(lambda xi, ki: model(xi, key=ki))(x, jax.random.split(key, len(x)))
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
+
+
+class Track(NamedTuple):
+    """How one parallel style places the state, feeds batches, steps and evaluates."""
+
+    place: Callable[[Any], Any]  # host state arrays -> state on the devices
+    feed: Callable[[Iterable[dict]], Iterator[dict]]  # host batches -> batches on the devices
+    step: Callable[[Any, dict, jax.Array], tuple[Any, dict]]  # (state, batch, key) -> ...
+    one_copy: Callable[[Any], Any]  # state or metrics on the devices -> one copy
+    stack_metrics: Callable[[list], dict]  # per-step metrics -> host arrays over steps
+    predict: Callable[[Any, np.ndarray], np.ndarray]  # (state, any number of rows) -> logits
+
+
+def mesh_track(static, devices, eval_rows: int) -> Track:
+    """jax.jit over a 1-D mesh: the state replicated, each batch split along the mesh."""
+    mesh = Mesh(np.asarray(devices), ("batch",))
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P("batch"))
+
+    def train_step(state, x, y, key):
+        grad_fn = eqx.filter_value_and_grad(loss_and_metrics, has_aux=True)
+        (_, metrics), grads = grad_fn(state.model, x, y, key)  # XLA all-reduces the grads
+        return state.apply_gradients(grads=grads), metrics
+
+    step = eqx_train.jit_step(train_step, static, has_aux=True)  # donates the old state
+
+    def predict(arrays, x):
+        return jax.vmap(eqx.combine(arrays, static).model)(x)
+
+    padded_predict = eqx_train.pad_shard_unpad(jax.jit(predict), mesh=mesh)
+    return Track(
+        place=lambda arrays: jax.device_put(arrays, replicated),
+        feed=lambda batches: eqx_train.prefetch_to_device(
+            (eqx_train.shard_to_mesh(b, mesh) for b in batches), size=2, devices=batch_sharding
+        ),
+        step=lambda arrays, batch, key: step(arrays, batch["x"], batch["y"], key),
+        one_copy=lambda tree: tree,  # a replicated global array already is one copy
+        stack_metrics=lambda steps: eqx_train.stack_forest(jax.device_get(steps)),
+        predict=lambda arrays, x: padded_predict(arrays, x, min_device_batch=eval_rows),
+    )
+
+
+def pmap_track(static, devices, eval_rows: int) -> Track:
+    """jax.pmap, as flax: a replica per device, each batch reshaped to (devices, rows, ...)."""
+    n_devices = len(devices)
+
+    def train_step(arrays, x, y, key):
+        state = eqx.combine(arrays, static)
+        grad_fn = eqx.filter_value_and_grad(loss_and_metrics, has_aux=True)
+        (_, metrics), grads = grad_fn(state.model, x, y, key)
+        grads = eqx_train.pmean(grads, "batch")
+        new_state = state.apply_gradients(grads=grads)
+        return eqx.filter(new_state, eqx.is_array), eqx_train.pmean(metrics, "batch")
+
+    p_train_step = jax.pmap(train_step, axis_name="batch", donate_argnums=0, devices=devices)
+
+    def step(replicated, batch, key):
+        keys = eqx_train.shard_prng_key(key, n_devices)  # one dropout key per device
+        return p_train_step(replicated, batch["x"], batch["y"], keys)
+
+    def predict(arrays, x):
+        return jax.vmap(eqx.combine(arrays, static).model)(x)
+
+    p_predict = eqx_train.pad_shard_unpad(jax.pmap(predict, devices=devices))
+    return Track(
+        place=lambda arrays: eqx_train.replicate(arrays, devices),
+        feed=lambda batches: eqx_train.prefetch_to_device(
+            map(eqx_train.shard, batches), size=2, devices=devices
+        ),
+        step=step,
+        one_copy=eqx_train.unreplicate,
+        stack_metrics=eqx_train.get_metrics,
+        predict=lambda arrays, x: p_predict(arrays, x, min_device_batch=eval_rows),
+    )
 
 
 def plot_curves(history: dict[str, np.ndarray], path: str) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 from jax.sharding import Mesh
 
-from eqx_train import jax_utils, shard
+from eqx_train import jax_utils, shard, shard_to_mesh
 from property_tests.strategies import ALL_DTYPES, arrays, pytrees, shapes
 from tests.helpers import assert_trees_equal
 
@@ -96,3 +96,40 @@ def test_prefetch_yields_exactly_the_input_sequence(batches, size):
     assert len(out) == len(batches)
     for got, expected in zip(out, batches, strict=True):
         assert_trees_equal(jax.device_get(got), expected)
+
+
+_MESHES = [
+    Mesh(np.array(jax.devices()), ("data",)),
+    Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model")),
+]
+
+
+@given(
+    batch=st.integers(1, 40),
+    rest=shapes(max_dims=2),
+    dtype=st.sampled_from(ALL_DTYPES),
+    mesh_index=st.integers(0, len(_MESHES) - 1),
+    batch_axis=st.sampled_from([None, "data"]),
+    data=st.data(),
+)
+def test_shard_to_mesh_pads_to_a_multiple_and_keeps_every_row(
+    batch, rest, dtype, mesh_index, batch_axis, data
+):
+    # Law: the first `batch` rows are the input bit for bit, the rest are zeros, the padded
+    # size is the smallest multiple of the devices along the batch axes, and each device
+    # holds exactly the rows of its block.
+    mesh = _MESHES[mesh_index]
+    count = 8 if batch_axis is None else int(mesh.shape["data"])
+    x = data.draw(arrays([dtype], shape=(batch, *rest)))
+    placed = shard_to_mesh({"x": x, "fn": eqx.nn.Identity()}, mesh, batch_axis, pad=True)
+    total = -(-batch // count) * count
+    assert placed["x"].shape == (total, *rest)
+    assert_trees_equal(jax.device_get(placed["x"])[:batch], x)
+    padding = np.asarray(jax.device_get(placed["x"])[batch:])
+    assert not padding.any()
+    rows = total // count
+    for piece in placed["x"].addressable_shards:
+        start = piece.index[0].start or 0
+        assert start % rows == 0 and piece.data.shape[0] == rows
+        expected = np.concatenate([np.asarray(x), padding])[start : start + rows]
+        assert np.asarray(piece.data).tobytes() == expected.tobytes()

@@ -6,11 +6,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import jax_utils as flax_jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eqx_train import jax_utils, shard
+from eqx_train import TrainState, checkpoints, jax_utils, shard, shard_to_mesh
 from tests.helpers import assert_trees_equal
 
 
@@ -343,3 +344,181 @@ def test_replicated_state_survives_donating_pmap_steps():
         state = step(state)
     np.testing.assert_array_equal(jax_utils.unreplicate(state)["w"], np.full(1024, 8.0))
     np.testing.assert_array_equal(kept["w"], np.ones(1024))
+
+
+# ---------------------------------------------------------------- the mesh track
+
+
+def _data_mesh():
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def _data_model_mesh():
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+
+def test_replicating_a_state_onto_a_mesh_is_filter_shard_with_empty_spec():
+    # The documented one-liner (no wrapper): every device holds the whole of every array, and
+    # the non-array leaves of an Equinox model stay in place.
+    mesh = _data_model_mesh()
+    state = TrainState.create(model=_model(), tx=optax.adam(1e-3))
+    replicated = eqx.filter_shard(state, NamedSharding(mesh, PartitionSpec()))
+    assert replicated.model.activation is jax.nn.gelu
+    for before, after in zip(
+        jax.tree.leaves(eqx.filter(state, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(replicated, eqx.is_array)),
+        strict=True,
+    ):
+        assert after.sharding.is_fully_replicated
+        assert {s.device for s in after.addressable_shards} == set(jax.devices())
+        for piece in after.addressable_shards:
+            np.testing.assert_array_equal(piece.data, before)
+
+
+@pytest.mark.parametrize("batch_axis", [None, "data"])
+def test_shard_to_mesh_gives_device_i_rows_of_block_i(batch_axis):
+    mesh = _data_mesh()
+    x = np.arange(24 * 3, dtype=np.float32).reshape(24, 3)
+    placed = shard_to_mesh({"x": x, "name": "batch"}, mesh, batch_axis)
+    assert placed["name"] == "batch"
+    assert placed["x"].shape == (24, 3)
+    assert placed["x"].sharding == NamedSharding(mesh, PartitionSpec(("data",)))
+    for i, device in enumerate(mesh.devices.flat):
+        (piece,) = [s.data for s in placed["x"].addressable_shards if s.device == device]
+        np.testing.assert_array_equal(piece, x[3 * i : 3 * i + 3])
+
+
+def test_shard_to_mesh_over_data_axis_replicates_rows_over_model_axis():
+    mesh = _data_model_mesh()
+    x = np.arange(10.0).reshape(10, 1)
+    placed = shard_to_mesh(x, mesh, "data")
+    for row in range(2):
+        for col in range(4):
+            device = mesh.devices[row, col]
+            (piece,) = [s.data for s in placed.addressable_shards if s.device == device]
+            np.testing.assert_array_equal(piece, x[5 * row : 5 * row + 5])
+
+
+def test_shard_to_mesh_rejects_a_partial_batch_naming_leaf_and_sizes():
+    with pytest.raises(
+        ValueError, match=r"leaf 'y' has batch size 13, which is not divisible by the 8 devices"
+    ):
+        shard_to_mesh({"y": np.zeros(13)}, _data_mesh())
+
+
+def test_shard_to_mesh_pads_a_partial_batch_with_zero_rows():
+    x = np.arange(1.0, 14.0).reshape(13, 1)
+    placed = shard_to_mesh({"x": x, "y": np.ones(13, np.int32)}, _data_model_mesh(), pad=True)
+    expected_x = np.concatenate([x, np.zeros((3, 1))])
+    np.testing.assert_array_equal(np.asarray(placed["x"]), expected_x)
+    np.testing.assert_array_equal(np.asarray(placed["y"]), [1] * 13 + [0] * 3)
+    assert placed["y"].dtype == np.int32
+
+
+def test_shard_to_mesh_rejects_scalars_disagreeing_leaves_and_unknown_axes():
+    mesh = _data_mesh()
+    with pytest.raises(ValueError, match=r"leaf 'lr' is a scalar"):
+        shard_to_mesh({"x": np.ones((8, 2)), "lr": np.float32(0.1)}, mesh)
+    with pytest.raises(ValueError, match=r"'a' has 8, 'b' has 16"):
+        shard_to_mesh({"a": np.ones(8), "b": np.ones(16)}, mesh)
+    with pytest.raises(ValueError, match=r"batch_axis 'model' must name axes of the mesh"):
+        shard_to_mesh(np.ones(8), mesh, "model")
+
+
+def test_fsdp_sharding_splits_the_largest_divisible_dimension_over_the_axis():
+    mesh = _data_model_mesh()  # model axis of size 4
+    tree = {
+        "kernel": np.zeros((64, 128)),
+        "square": np.zeros((8, 8)),
+        "tall": jax.ShapeDtypeStruct((6, 12), jnp.float32),
+        "bias": np.zeros(10),
+        "short": np.zeros(2),
+        "step": jnp.asarray(3),
+        "fn": jax.nn.relu,
+    }
+    expected = {
+        "kernel": PartitionSpec(None, "model"),
+        "square": PartitionSpec("model", None),
+        "tall": PartitionSpec(None, "model"),
+        "bias": PartitionSpec(),
+        "short": PartitionSpec(),
+        "step": PartitionSpec(),
+        "fn": None,
+    }
+    shardings = jax_utils.fsdp_sharding(tree, mesh, "model")
+    assert {k: (None if s is None else s.spec) for k, s in shardings.items()} == expected
+    assert all(s is None or s.mesh == mesh for s in shardings.values())
+
+
+def test_fsdp_sharding_rejects_an_axis_the_mesh_lacks():
+    with pytest.raises(ValueError, match=r"axis 'model' is not an axis of the mesh.*\('data',\)"):
+        jax_utils.fsdp_sharding({"w": np.zeros(8)}, _data_mesh(), "model")
+
+
+def test_fsdp_sharded_train_state_steps_like_a_single_device_state():
+    mesh = _data_model_mesh()
+    model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(1))
+    state = TrainState.create(model=model, tx=optax.adam(1e-2))
+    sharded = eqx.filter_shard(state, jax_utils.fsdp_sharding(state, mesh, "model"))
+    # Parameters and Adam's moments: each device holds a quarter of every 32-wide matrix.
+    kernel, mu = sharded.model.layers[1].weight, sharded.opt_state[0].mu.layers[1].weight
+    for array in (kernel, mu):
+        assert array.sharding.spec == PartitionSpec("model", None)
+        assert {s.data.shape for s in array.addressable_shards} == {(8, 32)}
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    @eqx.filter_jit
+    def step(state, x, y):
+        new = state.apply_gradients(grads=eqx.filter_grad(loss)(state.model, x, y))
+        return eqx.filter_shard(new, jax_utils.fsdp_sharding(new, mesh, "model"))
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+    y = rng.standard_normal((32, 4)).astype(np.float32)
+    single = state
+    for _ in range(3):
+        sharded = step(sharded, *shard_to_mesh((x, y), mesh))
+        single = step.__wrapped__(single, x, y)
+    kernel, mu = sharded.model.layers[1].weight, sharded.opt_state[0].mu.layers[1].weight
+    for array in (kernel, mu):  # still sharded after the steps
+        assert {s.data.shape for s in array.addressable_shards} == {(8, 32)}
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(sharded, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(single, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_fsdp_state_saved_from_a_2d_mesh_restores_onto_a_1d_mesh_of_another_size(tmp_path):
+    def make_state():
+        model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(2))
+        return TrainState.create(model=model, tx=optax.adam(1e-2))
+
+    state = make_state()
+    state = eqx.filter_shard(state, jax_utils.fsdp_sharding(state, _data_model_mesh()))
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(state.model, eqx.is_array))
+    state = state.apply_gradients(grads=grads)  # Adam moments and count are non-zero now
+    checkpoints.save_checkpoint(tmp_path, state, step=1)
+
+    mesh_1d = Mesh(np.array(jax.devices()[:2]), ("model",))
+    abstract = eqx.filter_eval_shape(make_state)
+    target = jax.tree.map(
+        lambda leaf, s: (
+            leaf if s is None else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+        ),
+        abstract,
+        jax_utils.fsdp_sharding(abstract, mesh_1d, "model"),
+    )
+    restored = checkpoints.restore_checkpoint(tmp_path, target)
+    assert restored.model.activation is jax.nn.relu
+    kernel = restored.model.layers[1].weight
+    assert kernel.sharding.mesh == mesh_1d
+    assert {s.data.shape for s in kernel.addressable_shards} == {(16, 32)}  # 32 rows over 2
+    # The optimiser is a new `optax.adam` (a static field), so compare the arrays leaf by leaf.
+    assert_trees_equal(
+        jax.device_get(jax.tree.leaves(eqx.filter(restored, eqx.is_array))),
+        jax.device_get(jax.tree.leaves(eqx.filter(state, eqx.is_array))),
+    )
