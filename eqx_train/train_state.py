@@ -68,22 +68,44 @@ class TrainState(eqx.Module):
     **Example:**
 
     ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from eqx_train import TrainState
+
+    key = jax.random.key(0)
     state = TrainState.create(model=eqx.nn.MLP(2, 2, 32, 2, key=key), tx=optax.adam(1e-3))
+
+    def loss_fn(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     @eqx.filter_jit
     def train_step(state, x, y):
         grads = eqx.filter_grad(loss_fn)(state.model, x, y)
         return state.apply_gradients(grads=grads)
+
+    state = train_step(state, jnp.ones((4, 2)), jnp.zeros((4, 2)))
+    assert int(state.step) == 1
     ```
 
     **Subclassing:** add fields for anything else the loop carries (batch statistics, an EMA
     copy of the model) and pass them to `create` as keyword arguments:
 
     ```python
+    import equinox as eqx
+    import jax
+    import optax
+    from jaxtyping import PyTree
+    from eqx_train import TrainState
+
     class EMATrainState(TrainState):
         ema_model: PyTree
 
+    model, tx = eqx.nn.Linear(2, 2, key=jax.random.key(0)), optax.sgd(0.1)
+    grads = jax.tree.map(jax.numpy.ones_like, eqx.filter(model, eqx.is_array))
     state = EMATrainState.create(model=model, tx=tx, ema_model=model)
+    new_ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, state.ema_model, state.model)
     state = state.apply_gradients(grads=grads, ema_model=new_ema)
     ```
 

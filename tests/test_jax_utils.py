@@ -277,7 +277,7 @@ def test_prefetch_of_shard_output_matches_flax():
 
 
 @pytest.mark.parametrize("size", [0, -1, 1.5])
-def test_prefetch_rejects_invalid_size(size):
+def test_prefetch_rejects_invalid_size(size, without_type_checks):
     with pytest.raises(ValueError, match="size must be an int >= 1"):
         next(jax_utils.prefetch_to_device(iter([np.ones((8, 1))]), size))
 

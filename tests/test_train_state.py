@@ -157,7 +157,7 @@ def test_apply_gradients_names_missing_gradient_leaves():
         state.apply_gradients(grads=grads)
 
 
-def test_create_rejects_non_optax_tx():
+def test_create_rejects_non_optax_tx(without_type_checks):
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         TrainState.create(model=_params(jax.random.key(0)), tx="adam")  # type: ignore[arg-type]
 
