@@ -439,6 +439,7 @@ def _restore_from(
     leaves = [leaf for _, leaf in pairs]
     slots: list[tuple[int, str, _format.LeafKind]] = []
     problems: list[str] = []
+    mismatched: list[str] = []
     used: set[str] = set()
     for index, (key_path, leaf) in enumerate(pairs):
         kind = _format.kind_of(leaf)
@@ -455,6 +456,7 @@ def _restore_from(
         file_shape, file_dtype = available[name]
         numeric = file_dtype.kind in "biuf"
         if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
+            mismatched.append(name)
             problems.append(
                 f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
                 f"{expectation}"
@@ -476,6 +478,9 @@ def _restore_from(
                     f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
                 )
     if problems:
+        # A file whose header was corrupted can look like a mismatch: its checksums say which.
+        for name in mismatched:
+            reader.read(name, verify=True)
         _fail(reader.path, problems, strict)
 
     whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]

@@ -30,13 +30,6 @@ class Entry:
         return _names.step_from_text(self.text)
 
 
-def _is_file(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
 def list_checkpoints(ckpt_dir: str, prefix: str) -> list[Entry]:
     """Every committed checkpoint of `prefix` in `ckpt_dir`, oldest step first.
 
@@ -46,28 +39,40 @@ def list_checkpoints(ckpt_dir: str, prefix: str) -> list[Entry]:
     Among names of the same step (an older version spelled 1.0 what is now 1), the canonical
     spelling sorts last, so it is the one `[-1]` picks.
     """
-    try:
-        scan = list(os.scandir(ckpt_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    for _ in range(_LISTING_ATTEMPTS):
+        try:
+            found, vanished = _scan(ckpt_dir, prefix)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        if not vanished:
+            break
+        # A checkpoint was deleted while we looked (a concurrent save's retention): its
+        # successor may be missing from this scan, so look again.
+    found.sort(key=lambda e: (e.value, _names.is_canonical(e.text), e.sharded, e.text))
+    return found
+
+
+def _scan(ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool]:
     pattern = _names.checkpoint_pattern(prefix)
-    found = []
-    for item in scan:
+    found, vanished = [], False
+    for item in list(os.scandir(ckpt_dir)):
         match = pattern.fullmatch(item.name)
         if match is None:
             continue
         sharded = match["suffix"] == _names.SHARDED_SUFFIX
-        committed = (
-            item.is_dir(follow_symlinks=False)
-            and _is_file(os.path.join(item.path, _names.INDEX_NAME))
-            if sharded
-            else _is_file(item.path)
-        )
+        target = os.path.join(item.path, _names.INDEX_NAME) if sharded else item.path
+        try:
+            mode = os.stat(target).st_mode
+            committed = stat.S_ISREG(mode) and (not sharded or item.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            vanished = vanished or not os.path.lexists(item.path)
+            continue
+        except OSError:
+            continue
         if committed:
             text = match["step"]
             found.append(Entry(_names.step_value(text), text, item.path, sharded))
-    found.sort(key=lambda e: (e.value, _names.is_canonical(e.text), e.sharded, e.text))
-    return found
+    return found, vanished
 
 
 def latest(listing: list[Entry]) -> Entry | None:
@@ -80,6 +85,7 @@ def find_step(listing: list[Entry], value: Decimal) -> Entry | None:
     return matches[-1] if matches else None
 
 
+_LISTING_ATTEMPTS = 5
 Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
 
 

@@ -364,16 +364,18 @@ def validate_description(description: Any, tensors: dict[str, TensorInfo], bad: 
         if not isinstance(node, dict) or len(node) not in (1, 2, 3):
             raise bad(f"the tree description has an invalid entry {short(node)}")
         if "tensor" in node:
-            name, kind = node.get("tensor"), KIND_BY_NAME.get(node.get("kind", "array"))
+            kind_name = node.get("kind", "array")
+            name = node.get("tensor")
+            kind = KIND_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
             extra = set(node) - {"tensor", "kind", "impl"}
             if not isinstance(name, str) or kind is None or extra:
                 raise bad(f"the tree description has an invalid tensor entry {short(node)}")
             if (kind.name == "prng_key") != isinstance(node.get("impl"), str):
                 raise bad(f"the tree description has an invalid tensor entry {short(node)}")
             if name not in tensors:
-                raise bad(f"the tree names tensor '{short(name)}', which the file lacks")
+                raise bad(f"the tree names tensor {short(name)}, which the file lacks")
             if name in named:
-                raise bad(f"the tree names tensor '{short(name)}' twice")
+                raise bad(f"the tree names tensor {short(name)} twice")
             named.add(name)
             info = tensors[name]
             if kind.scalar_type is not None or kind.name == "numpy_scalar":
@@ -382,7 +384,7 @@ def validate_description(description: Any, tensors: dict[str, TensorInfo], bad: 
                     kind.name != "numpy_scalar" and info.dtype.kind not in wanted
                 ):
                     raise bad(
-                        f"tensor '{short(name)}' is a {kind.name} leaf but is stored as "
+                        f"tensor {short(name)} is a {kind.name} leaf but is stored as "
                         f"{info.dtype}{list(info.shape)}"
                     )
             continue
@@ -410,10 +412,14 @@ def validate_description(description: Any, tensors: dict[str, TensorInfo], bad: 
         if tag == "node" and set(node) == {"node", "children"}:
             children = node["children"]
             if isinstance(node["node"], str) and isinstance(children, list):
+                fields = []
                 for item in children:
                     if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
                         raise bad(f"the tree description has an invalid field {short(item)}")
+                    fields.append(item[0])
                     stack.append((item[1], depth + 1))
+                if len(set(fields)) != len(fields):
+                    raise bad("the tree description has a node with a repeated field")
                 continue
         raise bad(f"the tree description has an invalid entry {short(node)}")
     unnamed = set(tensors) - named
@@ -680,27 +686,27 @@ class FileReader:
         spans = []
         for name, entry in entries.items():
             if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-                raise self.bad(f"tensor '{short(name)}' has a malformed entry {short(entry)}")
+                raise self.bad(f"tensor {short(name)} has a malformed entry {short(entry)}")
             code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
             if not isinstance(code, str) or code not in CODE_TO_DTYPE:
-                raise self.bad(f"tensor '{short(name)}' has unsupported dtype {short(code)}")
+                raise self.bad(f"tensor {short(name)} has unsupported dtype {short(code)}")
             if (
                 not isinstance(shape, list)
                 or len(shape) > MAX_NDIM
                 or not all(_is_count(s) for s in shape)
                 or math.prod(max(s, 1) for s in shape) >= 2**62
             ):
-                raise self.bad(f"tensor '{short(name)}' has an invalid shape {short(shape)}")
+                raise self.bad(f"tensor {short(name)} has an invalid shape {short(shape)}")
             if not (
                 isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
             ):
-                raise self.bad(f"tensor '{short(name)}' has invalid data offsets {short(offsets)}")
+                raise self.bad(f"tensor {short(name)} has invalid data offsets {short(offsets)}")
             begin, end = offsets
             dtype = CODE_TO_DTYPE[code]
             nbytes = math.prod(shape) * dtype.itemsize
             if not begin <= end <= data_size or end - begin != nbytes:
                 raise self.bad(
-                    f"tensor '{short(name)}' claims bytes [{begin}, {end}) for "
+                    f"tensor {short(name)} claims bytes [{begin}, {end}) for "
                     f"{code}{short(shape)}, but the data section has {data_size} bytes"
                 )
             checksum = None if checksums is None else checksums[name]
@@ -711,7 +717,7 @@ class FileReader:
         spans.sort()
         for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
             if b1 < e0:
-                raise self.bad(f"tensors '{short(n0)}' and '{short(n1)}' overlap")
+                raise self.bad(f"tensors {short(n0)} and {short(n1)} overlap")
         self.tensors = tensors
         self.metadata: dict[str, str] = metadata
         self._description: Any = None

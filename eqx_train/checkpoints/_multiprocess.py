@@ -237,7 +237,7 @@ def _validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dic
         raise bad("its array table is not a JSON object")
     total_pieces = 0
     for name, entry in raw.items():
-        where = f"array '{_format.short(name)}'"
+        where = f"array {_format.short(name)}"
         if not isinstance(entry, dict) or set(entry) != {"shape", "dtype", "pieces"}:
             raise bad(f"{where} has a malformed entry")
         shape, code, pieces = entry["shape"], entry["dtype"], entry["pieces"]
@@ -345,8 +345,8 @@ class ShardedReader:
                         or own != {"leaf": name, "index": piece["index"]}
                     ):
                         raise self.bad(
-                            f"array '{_format.short(name)}': piece "
-                            f"'{_format.short(piece['tensor'])}' is not in {piece['file']} "
+                            f"array {_format.short(name)}: piece "
+                            f"{_format.short(piece['tensor'])} is not in {piece['file']} "
                             f"as {dtype}{list(extents)}"
                         )
         except BaseException:
