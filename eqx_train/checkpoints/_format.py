@@ -592,7 +592,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _parse_json(raw: bytes | str, what: str, bad: Callable[[str], Exception]) -> Any:
+def parse_json(raw: bytes | str, what: str, bad: Callable[[str], Exception]) -> Any:
     try:
         return json.loads(raw, object_pairs_hook=_no_duplicates)
     except RecursionError:
@@ -666,7 +666,7 @@ class FileReader:
                 f"its header has {containers} JSON objects and arrays in {header_len} bytes, "
                 "far denser than any checkpoint's"
             )
-        entries = _parse_json(bytes(raw), "the header", self.bad)
+        entries = parse_json(bytes(raw), "the header", self.bad)
         del raw
         if not isinstance(entries, dict):
             raise self.bad("the header is not a JSON object")
@@ -726,7 +726,7 @@ class FileReader:
         raw = metadata.get(CHECKSUMS_KEY)
         if raw is None:
             return None  # written before checksums existed: nothing to verify
-        parsed = _parse_json(raw, "the checksum table", self.bad)
+        parsed = parse_json(raw, "the checksum table", self.bad)
         ok = (
             isinstance(parsed, dict)
             and parsed.get("algorithm") == CHECKSUM_ALGORITHM
@@ -759,7 +759,7 @@ class FileReader:
     def description(self) -> Any:
         """The validated tree description."""
         if self._description is None:
-            description = _parse_json(self.metadata[TREE_KEY], "the tree description", self.bad)
+            description = parse_json(self.metadata[TREE_KEY], "the tree description", self.bad)
             validate_description(description, self.tensors, self.bad)
             self._description = description
         return self._description

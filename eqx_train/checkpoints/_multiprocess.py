@@ -326,7 +326,7 @@ class ShardedReader:
             if raw is None:
                 raise self.bad("its index has no array table")
             self._arrays = _validate_arrays(
-                _format._parse_json(raw, "the array table", self.bad), self.bad
+                _format.parse_json(raw, "the array table", self.bad), self.bad
             )
             self.metadata = self.index.metadata
             # Open (and so pin) every piece file now: an overwrite that commits meanwhile
@@ -392,7 +392,7 @@ class ShardedReader:
         """What a piece file says of its own pieces (leaf and slice), to cross-check the index."""
         if file not in self._records:
             raw = self._file(file).metadata.get(PIECES_KEY, "{}")
-            records = _format._parse_json(raw, f"the piece table of {file}", self.bad)
+            records = _format.parse_json(raw, f"the piece table of {file}", self.bad)
             self._records[file] = records if isinstance(records, dict) else {}
         return self._records[file]
 
@@ -409,7 +409,7 @@ class ShardedReader:
                 )
                 for name, e in self._arrays.items()
             }
-            description = _format._parse_json(
+            description = _format.parse_json(
                 self.metadata.get(_format.TREE_KEY, "null"), "the tree description", self.bad
             )
             _format.validate_description(description, infos, self.bad)
