@@ -47,6 +47,7 @@ MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when 
 MAX_NDIM = 64
 _MIN_BYTES_PER_CONTAINER = 8
 _ALIGNMENT = 8
+_ALIGN_FOR_DEVICE = 64
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _PARALLEL_MIN_BYTES = 16 << 20
 _HASH_CHUNK = 2 << 20
@@ -576,6 +577,15 @@ def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
 
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: XLA's CPU client then
+    adopts it without a copy when it is placed on a device (`jax.device_put`)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN_FOR_DEVICE, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN_FOR_DEVICE
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def _pread_exact(fd: int, view: memoryview, offset: int, bad: Callable[[str], Exception]) -> None:
     done = 0
     while done < len(view):
@@ -781,7 +791,7 @@ class FileReader:
             (s.start, s.stop) == (0, d) for s, d in zip(index, info.shape, strict=True)
         )
         if whole or verify or not info.shape:
-            out = np.empty(info.shape, dtype=info.dtype)
+            out = aligned_empty(info.shape, info.dtype)
             view = _as_bytes(out) if info.nbytes else memoryview(b"")
             check = hasher(info.code, info.shape) if verify and info.checksum else None
             offset = info.start
@@ -796,7 +806,7 @@ class FileReader:
         assert index is not None
         first, stop = index[0].start, index[0].stop
         row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
-        rows = np.empty((stop - first, *info.shape[1:]), dtype=info.dtype)
+        rows = aligned_empty((stop - first, *info.shape[1:]), info.dtype)
         if rows.nbytes:
             _pread_exact(self.fd, _as_bytes(rows), info.start + first * row_bytes, self.bad)
         return rows[(slice(None), *index[1:])].copy() if len(index) > 1 else rows

@@ -454,7 +454,7 @@ class ShardedReader:
             if any(lo >= hi for lo, hi in overlap):
                 continue
             jobs.append((piece, overlap))
-        out = np.empty([b - a for a, b in bounds], dtype=dtype)
+        out = _format.aligned_empty([b - a for a, b in bounds], dtype)
         if not shape:
             jobs = [(self._arrays[name]["pieces"][0], [])]
         for piece, overlap in jobs:
