@@ -133,6 +133,27 @@ elif mode == "manager":
     assert manager.metadata(4) == {"lr": 0.01, "step": 4}
     check(manager.restore(global_tree(0, mesh_1d, P("d")), step="best"), 2)
     check(manager.restore(global_tree(0, mesh_1d, P("d"))), 4)
+elif mode == "zero_fails":
+    checkpoints.save_checkpoint_multiprocess(
+        directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
+    )
+    if pid == 0:
+        from eqx_train.checkpoints import _multiprocess
+
+        def fail(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        _multiprocess._collect_index = fail
+    try:
+        checkpoints.save_checkpoint_multiprocess(
+            directory, global_tree(2, mesh_1d, P("d")), 2, timeout_s=60
+        )
+    except (OSError, RuntimeError) as error:
+        assert ("No space" in str(error)) if pid == 0 else ("did not commit" in str(error))
+    else:
+        raise AssertionError(f"process {pid}: a save that process 0 failed returned normally")
+    assert checkpoints.available_steps(directory) == [1]
+    check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 1)
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

@@ -87,3 +87,11 @@ def test_peer_dying_mid_save_times_out_and_keeps_previous_checkpoint(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
         "checkpoint_1.shards"
     ]
+
+
+@pytest.mark.slow
+def test_peers_of_a_failed_commit_raise_instead_of_returning(tmp_path):
+    _run_job("zero_fails", 2, tmp_path)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
+        "checkpoint_1.shards"
+    ]

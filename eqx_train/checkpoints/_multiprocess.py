@@ -155,6 +155,12 @@ def write_and_commit(
                 "process 0 to commit",
                 caller,
             )
+            # Process 0 removes the markers on success and on failure: the index says which.
+            if _names.piece_file(process, token) not in (_files.referenced_pieces(final_dir) or ()):
+                raise RuntimeError(
+                    f"{caller}: process 0 did not commit this save (its own error says why); "
+                    "the previous checkpoint is still the latest."
+                )
             return
         _wait_until(
             lambda: [f"process {i}" for i, m in enumerate(markers) if not os.path.exists(m)],
