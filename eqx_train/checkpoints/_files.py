@@ -247,15 +247,6 @@ def remove_if_uncommitted_and_empty(path: str) -> None:
             os.rmdir(path)
 
 
-def _ours_in_shards_dir(name: str) -> bool:
-    return (
-        name == _names.INDEX_NAME
-        or _names.parse_piece_file(name) is not None
-        or _names.parse_done_marker(name) is not None
-        or _names.parse_temp(name) is not None
-    )
-
-
 def remove_checkpoint(entry: Entry) -> None:
     """Deletes a checkpoint: a file, or a `.shards` directory's index (which uncommits it
     first), then the files this library names there. A directory that still holds other

@@ -358,6 +358,11 @@ class ShardedReader:
         except BaseException:
             self.close()
             raise
+        # Built once: every block read looks its array up here.
+        self._shapes = {
+            name: (tuple(e["shape"]), _format.CODE_TO_DTYPE[e["dtype"]])
+            for name, e in self._arrays.items()
+        }
         self._cache: dict[tuple[str, str], np.ndarray] = {}
         self._cached_for: str | None = None
         self._description: Any = None
@@ -410,10 +415,8 @@ class ShardedReader:
     def description(self) -> Any:
         if self._description is None:
             infos = {
-                name: _format.TensorInfo(
-                    name, _format.CODE_TO_DTYPE[e["dtype"]], tuple(e["shape"]), 0, 0
-                )
-                for name, e in self._arrays.items()
+                name: _format.TensorInfo(name, dtype, shape, 0, 0)
+                for name, (shape, dtype) in self._shapes.items()
             }
             description = _format.parse_json(
                 self.metadata.get(_format.TREE_KEY, "null"), "the tree description", self.bad
@@ -423,10 +426,7 @@ class ShardedReader:
         return self._description
 
     def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        return {
-            name: (tuple(e["shape"]), _format.CODE_TO_DTYPE[e["dtype"]])
-            for name, e in self._arrays.items()
-        }
+        return self._shapes
 
     def read_many(
         self, names: list[str], *, verify: bool = True, parallel: bool = True
@@ -439,7 +439,7 @@ class ShardedReader:
         """The block `index` (default: all) of array `name`. With `verify`, each piece it
         touches is read whole once and checked (kept while blocks of the same array are
         read); without, only the rows of each piece that overlap the block are read."""
-        shape, dtype = self.arrays()[name]
+        shape, dtype = self._shapes[name]
         bounds = (
             [(0, d) for d in shape]
             if index is None
