@@ -99,3 +99,33 @@ def run_then_sigkill(script: str, argument: str, *, after_line: int, delay: floa
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a jax.distributed coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list:
+    """Starts every `(argv, env)` at once (peers of one job), waits for all, and returns
+    `(returncode, combined output)` for each; never leaves a straggler running."""
+    import subprocess
+
+    processes = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for argv, env in commands
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [(p.returncode, out) for p, out in zip(processes, outputs, strict=True)]

@@ -2,58 +2,35 @@
 
 import os
 import re
-import socket
-import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import free_port, run_processes
+
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_job(mode, count, *dirs, expected_exit=None):
     """Runs `count` worker processes; each must print its OK line, except the processes in
     `expected_exit` ({process: exit code}), which must die with that code."""
     expected_exit = expected_exit or {}
-    port = str(_free_port())
+    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
     )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, WORKER, mode, str(i), str(count), port, *map(str, dirs)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(count)
-    ]
-    outputs = []
-    try:
-        for process in processes:
-            out, _ = process.communicate(timeout=TIMEOUT_S)
-            outputs.append(out)
-    finally:
-        for process in processes:  # never leave a straggler behind
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for i, (process, out) in enumerate(zip(processes, outputs, strict=True)):
+    argv = [sys.executable, WORKER, mode]
+    results = run_processes(
+        [([*argv, str(i), str(count), port, *map(str, dirs)], env) for i in range(count)],
+        TIMEOUT_S,
+    )
+    for i, (returncode, out) in enumerate(results):
         if i in expected_exit:
-            assert process.returncode == expected_exit[i], f"process {i}:\n{out[-3000:]}"
+            assert returncode == expected_exit[i], f"process {i}:\n{out[-3000:]}"
         else:
-            assert f"OK {mode} {i}" in out, (
-                f"process {i} exited {process.returncode}:\n{out[-3000:]}"
-            )
+            assert f"OK {mode} {i}" in out, f"process {i} exited {returncode}:\n{out[-3000:]}"
 
 
 @pytest.mark.slow

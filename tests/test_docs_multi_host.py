@@ -3,12 +3,12 @@ real 2-process `jax.distributed` job on 127.0.0.1 (2 CPU devices per process).""
 
 import os
 import re
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests.helpers import free_port, run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -48,40 +48,19 @@ jax.distributed.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_multi_host_page_saves_and_reshards_across_two_processes(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(
-        COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", NUM_PROCESSES="2", CKPT_DIR=str(ckpt_dir)
+        COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", NUM_PROCESSES="2", CKPT_DIR=str(ckpt_dir)
     )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, ROOT],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**env, "PROCESS_ID": str(rank)},
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for process in processes:  # never leave a straggler behind
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (process, out) in enumerate(zip(processes, outputs, strict=True)):
-        assert f"OK {rank}" in out, f"process {rank} exited {process.returncode}:\n{out[-3000:]}"
+    results = run_processes(
+        [([sys.executable, "-c", WORKER, ROOT], {**env, "PROCESS_ID": str(r)}) for r in range(2)],
+        TIMEOUT_S,
+    )
+    for rank, (returncode, out) in enumerate(results):
+        assert f"OK {rank}" in out, f"process {rank} exited {returncode}:\n{out[-3000:]}"
     # Each process wrote its own shards; process 0 the index.
     files = sorted(os.listdir(ckpt_dir / "checkpoint_1000.shards"))
     assert files[0] == "index.safetensors" and len(files) == 3, files
