@@ -4,7 +4,7 @@ save_checkpoint / restore_checkpoint / latest_checkpoint / available_steps."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._tree import path_to_name
-from . import _files, _format, _multiprocess, _names
+from . import _coordination, _files, _format, _multiprocess, _names, _storage
 from ._async import AsyncManager
 
 T = TypeVar("T")
@@ -29,6 +29,8 @@ def save_checkpoint(
     overwrite: bool = False,
     keep_every_n_steps: int | float | None = None,
     async_manager: AsyncManager | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """Saves `target` as `{ckpt_dir}/{prefix}{step}.safetensors` and prunes old checkpoints.
 
@@ -81,6 +83,7 @@ def save_checkpoint(
         retention=_files.flax_retention(keep, keep_every_n_steps, "save_checkpoint"),
         async_manager=async_manager,
         caller="save_checkpoint",
+        storage_options=storage_options,
     )
 
 
@@ -97,6 +100,7 @@ def save_pipeline(
     extra_metadata: dict[str, str] | None = None,
     multiprocess: bool = False,
     timeout_s: int | float = 300.0,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
     `CheckpointManager.save` differ only in the layout (one file, or a `.shards` directory
@@ -105,7 +109,7 @@ def save_pipeline(
     Validates everything before touching the disk, writes, commits, then (after the commit
     is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
-    ckpt_dir = os.fspath(ckpt_dir)
+    store, ckpt_dir = _storage.resolve(ckpt_dir, storage_options, caller=caller)
     _names.check_prefix(prefix, caller)
     value = _names.check_step(step, caller)
     try:
@@ -121,26 +125,31 @@ def save_pipeline(
         **(extra_metadata or {}),
     }
     _format.check_header_size(tensors, metadata, caller)
-    os.makedirs(ckpt_dir, exist_ok=True)
-    _files.check_newer(ckpt_dir, prefix, value, step_text, overwrite, caller)
-    final_path = os.path.join(ckpt_dir, name)
+    store.makedirs(ckpt_dir)
+    _files.check_newer(store, ckpt_dir, prefix, value, step_text, overwrite, caller)
+    final_path = store.join(ckpt_dir, name)
 
     def after_commit() -> None:
         _files.apply_retention(
-            ckpt_dir, prefix, value, final_path, overwrite=overwrite, retention=retention
+            store, ckpt_dir, prefix, value, final_path, overwrite=overwrite, retention=retention
         )
 
     if multiprocess:
-        token = _multiprocess.broadcast_token(timeout_s, caller)
+        op = _coordination.next_id("save")
+        token = _multiprocess.agree_on_token(op, timeout_s, caller)
         pieces, where = _multiprocess.plan_pieces(tensors, jax.process_index())
         if async_manager is not None:
             pieces = [_format.snapshot(p) for p in pieces]
 
         def commit() -> None:
             if jax.process_index() == 0:
-                _files.remove_leftovers(ckpt_dir, prefix, keep_token=token, current=final_path)
+                _files.remove_leftovers(
+                    store, ckpt_dir, prefix, keep_token=token, current=final_path
+                )
             _multiprocess.write_and_commit(
+                store,
                 final_path,
+                op,
                 token,
                 pieces,
                 where,
@@ -158,9 +167,9 @@ def save_pipeline(
             tensors = [_format.snapshot(t) for t in tensors]
 
         def commit() -> None:
-            _files.remove_leftovers(ckpt_dir, prefix)
+            _files.remove_leftovers(store, ckpt_dir, prefix)
             try:
-                _files.atomic_write(
+                store.atomic_write(
                     final_path,
                     lambda fd: _format.write_file(fd, tensors, metadata),
                     replace=overwrite,
@@ -191,6 +200,7 @@ def save_checkpoint_multiprocess(
     async_manager: AsyncManager | None = None,
     *,
     timeout_s: int | float = 300.0,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
 
@@ -226,17 +236,24 @@ def save_checkpoint_multiprocess(
         caller=caller,
         multiprocess=True,
         timeout_s=timeout_s,
+        storage_options=storage_options,
     )
 
 
-def latest_checkpoint(ckpt_dir: str | os.PathLike[str], prefix: str = "checkpoint_") -> str | None:
+def latest_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    prefix: str = "checkpoint_",
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | None:
     """Returns the path of the checkpoint with the highest step in `ckpt_dir`, or None.
 
     Steps compare numerically (`9 < 10`, `0.5 < 1e5`); names that are not exactly
     `{prefix}{number}.safetensors` (a regular file) or a committed `{prefix}{number}.shards`
     directory (notes, temporary files, other prefixes) are ignored.
     """
-    newest = _files.latest(_files.list_checkpoints(os.fspath(ckpt_dir), prefix))
+    store, where = _storage.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
+    newest = _files.latest(_files.list_checkpoints(store, where, prefix))
     return None if newest is None else newest.path
 
 
@@ -244,6 +261,8 @@ def available_steps(
     ckpt_dir: str | os.PathLike[str],
     prefix: str = "checkpoint_",
     step_type: Callable[[str], Any] = int,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """Returns the steps of all checkpoints in `ckpt_dir`, sorted numerically, each once.
 
@@ -253,7 +272,8 @@ def available_steps(
     - `prefix`: file name prefix.
     - `step_type`: `int` (default) or `float`; an int step type on non-integral steps raises.
     """
-    listing = _files.list_checkpoints(os.fspath(ckpt_dir), prefix)
+    store, where = _storage.resolve(ckpt_dir, storage_options, caller="available_steps")
+    listing = _files.list_checkpoints(store, where, prefix)
     texts = list({e.value: e.text for e in listing}.values())
     if step_type is int:
         steps = [_names.step_from_text(text) for text in texts]
@@ -270,20 +290,23 @@ def available_steps(
 Reader = _format.FileReader | _multiprocess.ShardedReader
 
 
-def open_reader(path: str) -> Reader:
+def open_reader(store: _storage.Storage, path: str) -> Reader:
     """The reader for a checkpoint path: a `.shards` directory or a single file."""
-    if os.path.isdir(path):
-        if _multiprocess.is_sharded_checkpoint(path):
-            return _multiprocess.ShardedReader(path)
+    if store.is_dir(path):
+        if _multiprocess.is_sharded_checkpoint(store, path):
+            return _multiprocess.ShardedReader(store, path)
         # Listed as committed a moment ago: retention (which uncommits first) removed it.
         raise FileNotFoundError(f"{path} has no {_names.INDEX_NAME} (any more)")
-    return _format.FileReader(path)
+    return _format.FileReader(path, store.open(path))
 
 
-def _resolve(ckpt_dir: str, step: Any, prefix: str) -> tuple[str | None, bool]:
+def _resolve(
+    store: _storage.Storage, ckpt_dir: str, step: Any, prefix: str
+) -> tuple[str | None, bool]:
     """(checkpoint path or None, whether it was chosen from a directory listing)."""
-    if os.path.lexists(ckpt_dir) and (
-        not os.path.isdir(ckpt_dir) or _multiprocess.is_sharded_checkpoint(ckpt_dir)
+    is_dir = store.is_dir(ckpt_dir)
+    if (is_dir and _multiprocess.is_sharded_checkpoint(store, ckpt_dir)) or (
+        not is_dir and store.exists(ckpt_dir)
     ):
         if step is not None:
             raise ValueError(
@@ -291,14 +314,14 @@ def _resolve(ckpt_dir: str, step: Any, prefix: str) -> tuple[str | None, bool]:
                 "not a directory of checkpoints; pass the directory to choose a step."
             )
         return ckpt_dir, False
-    if not os.path.isdir(ckpt_dir):
+    if not is_dir:
         return None, False
-    if ckpt_dir.rstrip(os.sep).endswith(_names.SHARDED_SUFFIX):
+    if ckpt_dir.rstrip("/" + os.sep).endswith(_names.SHARDED_SUFFIX):
         raise _format.CheckpointFormatError(
             f"{ckpt_dir} is not a valid checkpoint: it has no {_names.INDEX_NAME}, so its save "
             "never committed."
         )
-    listing = _files.list_checkpoints(ckpt_dir, prefix)
+    listing = _files.list_checkpoints(store, ckpt_dir, prefix)
     if step is None:
         newest = _files.latest(listing)
         return (None if newest is None else newest.path), True
@@ -321,6 +344,7 @@ def restore_checkpoint(
     *,
     strict: bool = True,
     verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -358,13 +382,13 @@ def restore_checkpoint(
     expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
-    ckpt_dir = os.fspath(ckpt_dir)
+    store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     for attempt in range(_RESTORE_ATTEMPTS):
-        path, listed = _resolve(ckpt_dir, step, prefix)
+        path, listed = _resolve(store, where, step, prefix)
         if path is None:
             return target
         try:
-            reader = open_reader(path)
+            reader = open_reader(store, path)
         except FileNotFoundError:
             # Retention of a concurrent save removed it after we listed it: a newer one exists.
             if listed and attempt + 1 < _RESTORE_ATTEMPTS:

@@ -1,19 +1,18 @@
-"""Checkpoints on disk: listing in numeric order, retention, atomic writes, removal of only
-what this library wrote, and cleanup of what dead writers left. Every name comes from
-`_names`."""
+"""Checkpoints in a directory (local or an object-store prefix, through `_storage`): listing
+in numeric order, retention, removal of only what this library wrote, and cleanup of what
+dead writers left. Every name comes from `_names`."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from . import _format, _names
+from ._storage import Storage
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class Entry:
         return _names.step_from_text(self.text)
 
 
-def list_checkpoints(ckpt_dir: str, prefix: str) -> list[Entry]:
+def list_checkpoints(store: Storage, ckpt_dir: str, prefix: str) -> list[Entry]:
     """Every committed checkpoint of `prefix` in `ckpt_dir`, oldest step first.
 
     Counted: regular files `{prefix}{step}.safetensors` and directories
@@ -40,10 +39,7 @@ def list_checkpoints(ckpt_dir: str, prefix: str) -> list[Entry]:
     spelling sorts last, so it is the one `[-1]` picks.
     """
     for _ in range(_LISTING_ATTEMPTS):
-        try:
-            found, vanished = _scan(ckpt_dir, prefix)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        found, vanished = _scan(store, ckpt_dir, prefix)
         if not vanished:
             break
         # A checkpoint was deleted while we looked (a concurrent save's retention): its
@@ -52,26 +48,23 @@ def list_checkpoints(ckpt_dir: str, prefix: str) -> list[Entry]:
     return found
 
 
-def _scan(ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool]:
+def _scan(store: Storage, ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool]:
     pattern = _names.checkpoint_pattern(prefix)
     found, vanished = [], False
-    for item in list(os.scandir(ckpt_dir)):
+    for item in store.list(ckpt_dir):
         match = pattern.fullmatch(item.name)
         if match is None:
             continue
         sharded = match["suffix"] == _names.SHARDED_SUFFIX
-        target = os.path.join(item.path, _names.INDEX_NAME) if sharded else item.path
-        try:
-            mode = os.stat(target).st_mode
-            committed = stat.S_ISREG(mode) and (not sharded or item.is_dir(follow_symlinks=False))
-        except FileNotFoundError:
-            vanished = vanished or not os.path.lexists(item.path)
+        if sharded:
+            committed = item.is_dir and store.is_file(store.join(item.path, _names.INDEX_NAME))
+        else:
+            committed = item.is_file and (not store.is_local or store.is_file(item.path))
+        if not committed:
+            vanished = vanished or not store.exists(item.path)
             continue
-        except OSError:
-            continue
-        if committed:
-            text = match["step"]
-            found.append(Entry(_names.step_value(text), text, item.path, sharded))
+        text = match["step"]
+        found.append(Entry(_names.step_value(text), text, item.path, sharded))
     return found, vanished
 
 
@@ -97,11 +90,17 @@ def check_keep(keep: Any, caller: str) -> None:
 
 
 def check_newer(
-    ckpt_dir: str, prefix: str, value: Decimal, text: str, overwrite: bool, caller: str
+    store: Storage,
+    ckpt_dir: str,
+    prefix: str,
+    value: Decimal,
+    text: str,
+    overwrite: bool,
+    caller: str,
 ) -> None:
     """Raises unless step `value` (spelled `text`) is newer than every checkpoint, or
     `overwrite`."""
-    newest = latest(list_checkpoints(ckpt_dir, prefix))
+    newest = latest(list_checkpoints(store, ckpt_dir, prefix))
     if newest is not None and not overwrite and value <= newest.value:
         raise ValueError(
             f"{caller}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
@@ -155,6 +154,7 @@ def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention
 
 
 def apply_retention(
+    store: Storage,
     ckpt_dir: str,
     prefix: str,
     new_value: Decimal,
@@ -166,7 +166,7 @@ def apply_retention(
     """After a commit: with `overwrite`, remove steps newer than the new one; remove other
     spellings of the new step; then the steps `retention` names. The checkpoint this save
     just wrote is never removed by it."""
-    listing = list_checkpoints(ckpt_dir, prefix)
+    listing = list_checkpoints(store, ckpt_dir, prefix)
     doomed = [e for e in listing if e.value == new_value and e.path != just_written]
     if overwrite:
         doomed += [e for e in listing if e.value > new_value]
@@ -180,160 +180,124 @@ def apply_retention(
     doomed += [e for e in live if e.value in values]
     for entry in doomed:
         if entry.path != just_written:
-            remove_checkpoint(entry)
+            remove_checkpoint(store, entry)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(final_path: str, write: Callable[[int], None], *, replace: bool = True) -> None:
-    """Runs `write(fd)` on a temporary file, fsyncs it, moves it to `final_path`, fsyncs the
-    directory. On any error the temporary file is removed and the previous files are untouched.
-
-    With `replace=False` the move never clobbers: if `final_path` appeared meanwhile (a
-    concurrent save of the same step), `FileExistsError` is raised and nothing is changed.
-    """
-    directory, name = os.path.split(final_path)
-    temp_path = os.path.join(directory, _names.temp_name(name))
-    fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            write(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if replace or not _link(temp_path, final_path):
-            os.replace(temp_path, final_path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temp_path)
-        raise
-    fsync_dir(directory or ".")
-
-
-def _link(temp_path: str, final_path: str) -> bool:
-    """Moves `temp_path` to `final_path` unless it exists (then FileExistsError); False
-    where the file system has no hard links, to fall back on a rename."""
-    try:
-        os.link(temp_path, final_path)
-    except FileExistsError:
-        raise
-    except OSError:
-        return False
-    os.remove(temp_path)
-    return True
-
-
-def _remove(path: str) -> None:
-    # Best effort: a name we cannot remove (a directory, another user's file) is left, and
-    # never stops a save.
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
-def remove_paths(paths: list[str]) -> None:
+def remove_paths(store: Storage, paths: list[str]) -> None:
     for path in paths:
-        _remove(path)
+        store.remove(path)
 
 
-def remove_if_uncommitted_and_empty(path: str) -> None:
-    if not os.path.exists(os.path.join(path, _names.INDEX_NAME)):
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
+def remove_if_uncommitted_and_empty(store: Storage, path: str) -> None:
+    if not store.exists(store.join(path, _names.INDEX_NAME)):
+        store.remove_dir_if_empty(path)
 
 
-def remove_checkpoint(entry: Entry) -> None:
+def remove_checkpoint(store: Storage, entry: Entry) -> None:
     """Deletes a checkpoint: a file, or a `.shards` directory's index (which uncommits it
     first), then the files this library names there. A directory that still holds other
     files afterwards is left in place."""
     if not entry.sharded:
-        _remove(entry.path)
+        store.remove(entry.path)
         return
-    cited = referenced_pieces(entry.path) or set()
-    _remove(os.path.join(entry.path, _names.INDEX_NAME))
+    cited = referenced_pieces(store, entry.path) or set()
+    store.remove(store.join(entry.path, _names.INDEX_NAME))
     # Only the pieces the removed index cited: a concurrent save's new pieces are not ours.
-    remove_paths([os.path.join(entry.path, name) for name in sorted(cited)])
-    clean_shards_dir(entry.path, keep_token=None)
+    remove_paths(store, [store.join(entry.path, name) for name in sorted(cited)])
+    clean_shards_dir(store, entry.path, keep_token=None)
 
 
 def remove_leftovers(
-    ckpt_dir: str, prefix: str, *, keep_token: str | None = None, current: str | None = None
+    store: Storage,
+    ckpt_dir: str,
+    prefix: str,
+    *,
+    keep_token: str | None = None,
+    current: str | None = None,
 ) -> None:
     """Removes what dead writers of `prefix` left in `ckpt_dir`: temporary files of killed
-    saves, and in `.shards` directories the pieces, markers and temporaries of saves that
-    never committed (or were superseded). Only names this library makes, and only when the
-    writer ran on this machine and its process is gone. `current` (the `.shards` directory
-    a multi-process save is about to fill) is never removed, even while still empty."""
+    saves (on object stores: their unfinished uploads), and in `.shards` directories the
+    pieces and temporaries of saves that never committed (or were superseded). Only names
+    this library makes, and only when the writer is known to be dead (see
+    `_writer_is_dead`). `current` (the `.shards` directory a multi-process save is about to
+    fill) is never removed, even while still empty."""
     pattern = _names.checkpoint_pattern(prefix)
-    try:
-        scan = list(os.scandir(ckpt_dir))
-    except FileNotFoundError:
-        return
-    for item in scan:
+    store.abort_uploads(ckpt_dir, lambda key: not _is_litter(key, pattern, keep_token))
+    for item in store.list(ckpt_dir):
         temp = _names.parse_temp(item.name)
         if temp is not None:
             final, host, pid = temp
             if pattern.fullmatch(final) and _names.writer_is_dead(host, pid):
-                _remove(item.path)
+                store.remove(item.path)
             continue
         match = pattern.fullmatch(item.name)
-        if (
-            match
-            and match["suffix"] == _names.SHARDED_SUFFIX
-            and item.is_dir(follow_symlinks=False)
-            and item.path != current
-        ):
-            clean_shards_dir(item.path, keep_token=keep_token)
+        if match and match["suffix"] == _names.SHARDED_SUFFIX and item.is_dir:
+            if item.path != current:
+                clean_shards_dir(store, item.path, keep_token=keep_token)
 
 
-def referenced_pieces(path: str) -> set[str] | None:
+def _is_litter(key: str, pattern: Any, keep_token: str | None) -> bool:
+    """An unfinished upload under a checkpoint name of this prefix that is not this save's."""
+    first, _, rest = key.partition("/")
+    if not pattern.fullmatch(first):
+        return False
+    if not rest:
+        return True  # a single-file checkpoint's upload: saves of one prefix run one at a time
+    parsed = _names.parse_piece_file(rest)
+    return parsed is None or not keep_token or parsed[1] != keep_token
+
+
+def referenced_pieces(store: Storage, path: str) -> set[str] | None:
     """The piece files a committed `.shards` directory's index cites; None if it has no
     index; every name in the directory if the index cannot be read (then nothing goes)."""
-    index = os.path.join(path, _names.INDEX_NAME)
-    if not os.path.exists(index):
-        return None
+    index = store.join(path, _names.INDEX_NAME)
     try:
-        with _format.FileReader(index) as reader:
+        with _format.FileReader(index, store.open(index)) as reader:
             arrays = json.loads(reader.metadata[_format.ARRAYS_KEY])
         return {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        try:
-            return set(os.listdir(path))
-        except OSError:
-            return set()
+        return {item.name for item in store.list(path)}
 
 
-def clean_shards_dir(path: str, *, keep_token: str | None) -> None:
+def _writer_is_dead(store: Storage, item_age_s: float | None, token: str) -> bool:
+    """Whether the save that wrote a piece named with `token` is over. On this machine, its
+    process is gone. Elsewhere (object stores, which no host owns) liveness is unknowable;
+    a piece that has waited `STALE_S` for its commit belongs to a save that timed out long
+    ago (every wait of a multi-process save is bounded, 300 s by default)."""
+    if _names.writer_is_dead(*_names.token_writer(token)):
+        return True
+    return not store.is_local and item_age_s is not None and item_age_s > STALE_S
+
+
+STALE_S = 3600.0
+
+
+def clean_shards_dir(store: Storage, path: str, *, keep_token: str | None) -> None:
     """In one `.shards` directory, removes the pieces and markers of saves other than
     `keep_token` that the index does not cite and whose writer is dead, and temporaries of
     dead writers. Removes the directory if it ends up empty and uncommitted."""
-    try:
-        names = os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    protected = referenced_pieces(path) or set()
-    for name in names:
+    items = store.list(path)
+    protected = referenced_pieces(store, path) or set()
+    now = time.time()
+    for item in items:
+        name = item.name
         parsed = _names.parse_piece_file(name) or _names.parse_done_marker(name)
         if parsed is not None:
             token = parsed[1]
             if token and token != keep_token and name not in protected:
-                if _names.writer_is_dead(*_names.token_writer(token)):
-                    _remove(os.path.join(path, name))
+                age = None if item.modified is None else now - item.modified
+                if _writer_is_dead(store, age, token):
+                    store.remove(item.path)
             continue
         temp = _names.parse_temp(name)
         if temp is not None and _names.writer_is_dead(temp[1], temp[2]):
-            _remove(os.path.join(path, name))
-    remove_if_uncommitted_and_empty(path)
+            store.remove(item.path)
+    remove_if_uncommitted_and_empty(store, path)
 
 
-def remove_replaced_pieces(path: str, replaced: set[str], keep: set[str]) -> None:
+def remove_replaced_pieces(store: Storage, path: str, replaced: set[str], keep: set[str]) -> None:
     """After process 0 commits an overwrite: the pieces the replaced index cited go, and no
     others (a concurrent save's pieces belong to it)."""
-    remove_paths([os.path.join(path, name) for name in sorted(replaced - keep)])
+    remove_paths(store, [store.join(path, name) for name in sorted(replaced - keep)])

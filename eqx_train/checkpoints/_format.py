@@ -23,12 +23,11 @@ import json
 import math
 import numbers
 import os
-import stat
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,9 @@ import numpy as np
 import xxhash
 
 from .._tree import path_to_name
+
+if TYPE_CHECKING:
+    from ._storage import Source
 
 FORMAT_NAME = "eqx_train.checkpoint"
 FORMAT_VERSION = 1
@@ -51,6 +53,8 @@ _ALIGN_FOR_DEVICE = 64
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _PARALLEL_MIN_BYTES = 16 << 20
 _HASH_CHUNK = 2 << 20
+_STREAM_CHUNK = 16 << 20  # bytes per write to an upload stream
+_FIRST_READ = 64 << 10  # the first request reads the length field and most headers
 CHECKSUM_ALGORITHM = "xxh3_64"
 _NO_DIGEST = "0" * 16
 
@@ -108,10 +112,10 @@ def hasher(code: str, shape: Sequence[int]) -> Any:
     return xxhash.xxh3_64(seed=zlib.crc32(f"{code}{list(shape)}".encode()))
 
 
-def _chunks(view: memoryview) -> list[memoryview]:
+def _chunks(view: memoryview, size: int = _HASH_CHUNK) -> list[memoryview]:
     # Bytes are hashed chunk by chunk right after they are read or before they are written,
     # while they are still in the CPU cache: the checksum then costs little memory bandwidth.
-    return [view[i : i + _HASH_CHUNK] for i in range(0, len(view), _HASH_CHUNK)]
+    return [view[i : i + size] for i in range(0, len(view), size)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,20 +547,49 @@ def write_all(fd: int, data: memoryview) -> None:
         view = view[written:]
 
 
-def write_file(fd: int, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
-    """The one writer: header, then each tensor's bytes fetched and hashed one leaf at a
-    time (extra memory: one leaf), then the header again with the real checksums. Digests
-    have a fixed width, so the second header has exactly the first one's length."""
+def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+    """The one writer, to a file descriptor (`out: int`) or a binary stream (an upload).
+
+    To a file descriptor: the header, then each tensor's bytes fetched and hashed one leaf at
+    a time (extra memory: one leaf), then the header again with the real checksums (digests
+    have a fixed width, so it has exactly the first one's length). A stream cannot be
+    rewritten, so there every leaf is fetched and hashed first, then the final header and
+    the bytes are written in order (extra memory: the leaves' host copies, which device
+    arrays on a CPU backend share with their buffers).
+    """
+    if isinstance(out, int):
+        _write_to_fd(out, tensors, metadata)
+        return
+    arrays, digests = [], []
+    for t in tensors:
+        array = _fetch(t)
+        check = hasher(_DTYPE_TO_CODE[t.dtype], t.shape)
+        for chunk in _chunks(_as_bytes(array)):
+            check.update(chunk)
+        arrays.append(array)
+        digests.append(check.hexdigest())
+    out.write(_encode_header(tensors, metadata, digests))
+    for array in arrays:
+        for chunk in _chunks(_as_bytes(array), _STREAM_CHUNK):
+            out.write(chunk)
+
+
+def _fetch(t: Tensor) -> np.ndarray:
+    array = t.get()
+    if tuple(array.shape) != t.shape or np.dtype(array.dtype) != t.dtype:
+        raise RuntimeError(
+            f"save_checkpoint: leaf '{t.name}' changed from {t.dtype}{list(t.shape)} to "
+            f"{array.dtype}{list(array.shape)} while it was being saved."
+        )
+    return array
+
+
+def _write_to_fd(fd: int, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
     placeholder = _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
     write_all(fd, memoryview(placeholder))
     digests = []
     for t in tensors:
-        array = t.get()
-        if tuple(array.shape) != t.shape or np.dtype(array.dtype) != t.dtype:
-            raise RuntimeError(
-                f"save_checkpoint: leaf '{t.name}' changed from {t.dtype}{list(t.shape)} to "
-                f"{array.dtype}{list(array.shape)} while it was being saved."
-            )
+        array = _fetch(t)
         check = hasher(_DTYPE_TO_CODE[t.dtype], t.shape)
         for chunk in _chunks(_as_bytes(array)):
             check.update(chunk)
@@ -584,15 +617,6 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGN_FOR_DEVICE, dtype=np.uint8)
     start = -raw.ctypes.data % _ALIGN_FOR_DEVICE
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int, bad: Callable[[str], Exception]) -> None:
-    done = 0
-    while done < len(view):
-        count = os.preadv(fd, [view[done:]], offset + done)
-        if count == 0:
-            raise bad("it ended early (truncated)")
-        done += count
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -623,17 +647,17 @@ class FileReader:
     blocking.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, source: Source | None = None):
         self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except IsADirectoryError:
-            raise self.bad("it is a directory, not a file") from None
-        self.fd = fd
+        if source is None:
+            from ._storage import LocalStorage
+
+            source = LocalStorage().open(path)
+        self.source = source
         try:
             self._parse()
         except BaseException:
-            os.close(fd)
+            source.close()
             raise
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -646,27 +670,28 @@ class FileReader:
         self.close()
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.source.close()
 
     def _parse(self) -> None:
-        info = os.fstat(self.fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise self.bad("it is not a regular file")
-        size = info.st_size
+        size = self.source.size
         if size < 8:
             raise self.bad(f"the file has {size} bytes, fewer than the 8-byte header length")
-        length_field = bytearray(8)
-        _pread_exact(self.fd, memoryview(length_field), 0, self.bad)
-        header_len = int.from_bytes(length_field, "little")
+        # From an object store, one request for the length field and (usually all of) the
+        # header: each request costs a round trip. Locally, exactly the bytes needed.
+        first = bytearray(8 if self.source.is_local else min(size, _FIRST_READ))
+        self.source.read_into(memoryview(first), 0)
+        header_len = int.from_bytes(first[:8], "little")
         if header_len > min(MAX_HEADER_BYTES, size - 8):
             raise self.bad(
                 f"the header claims {header_len} bytes, but the file has {size - 8} after the "
                 f"length field and a header may have at most {MAX_HEADER_BYTES}"
             )
         raw = bytearray(header_len)
-        _pread_exact(self.fd, memoryview(raw), 8, self.bad)
+        have = min(header_len, len(first) - 8)
+        raw[:have] = first[8 : 8 + have]
+        del first
+        if have < header_len:
+            self.source.read_into(memoryview(raw)[have:], 8 + have)
         # Parsing costs ~60 bytes of Python objects per JSON object or array; a real header
         # has one per 15+ bytes, a hostile one per 2. Refusing the dense ones bounds memory
         # to a small multiple of the header size.
@@ -792,29 +817,57 @@ class FileReader:
         )
         if whole or verify or not info.shape:
             out = aligned_empty(info.shape, info.dtype)
-            view = _as_bytes(out) if info.nbytes else memoryview(b"")
-            check = hasher(info.code, info.shape) if verify and info.checksum else None
-            offset = info.start
-            for chunk in _chunks(view):
-                _pread_exact(self.fd, chunk, offset, self.bad)
-                offset += len(chunk)
-                if check is not None:
-                    check.update(chunk)
-            if check is not None and check.hexdigest() != info.checksum:
-                raise self.bad(f"tensor '{name}' fails its checksum (the data is corrupt)")
+            self._fill(info, out, verify)
             return out if whole else out[index].copy()
         assert index is not None
         first, stop = index[0].start, index[0].stop
         row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
         rows = aligned_empty((stop - first, *info.shape[1:]), info.dtype)
         if rows.nbytes:
-            _pread_exact(self.fd, _as_bytes(rows), info.start + first * row_bytes, self.bad)
+            self.source.read_into(_as_bytes(rows), info.start + first * row_bytes)
         return rows[(slice(None), *index[1:])].copy() if len(index) > 1 else rows
+
+    def _fill(self, info: TensorInfo, out: np.ndarray, verify: bool) -> None:
+        """Reads tensor `info` into `out` (and checks it). Locally chunk by chunk, each
+        hashed while still in cache; from an object store in parallel ranged requests."""
+        view = _as_bytes(out) if info.nbytes else memoryview(b"")
+        check = hasher(info.code, info.shape) if verify and info.checksum else None
+        if not self.source.is_local:
+            self.source.read_ranges([(view, info.start)])
+            if check is not None:
+                for chunk in _chunks(view):
+                    check.update(chunk)
+        else:
+            offset = info.start
+            for chunk in _chunks(view):
+                self.source.read_into(chunk, offset)
+                offset += len(chunk)
+                if check is not None:
+                    check.update(chunk)
+        if check is not None and check.hexdigest() != info.checksum:
+            raise self.bad(f"tensor '{info.name}' fails its checksum (the data is corrupt)")
 
     def read_many(
         self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
     ) -> dict[str, np.ndarray]:
         """Whole tensors, read (and verified) by several threads when they are large."""
+        if not self.source.is_local:
+            # An object store: every range at once, so requests overlap.
+            infos = [self.tensors[n] for n in names]
+            outs = [aligned_empty(i.shape, i.dtype) for i in infos]
+            self.source.read_ranges(
+                [(_as_bytes(o), i.start) for o, i in zip(outs, infos, strict=True) if i.nbytes]
+            )
+            for info, out in zip(infos, outs, strict=True):
+                if verify and info.checksum:
+                    check = hasher(info.code, info.shape)
+                    for chunk in _chunks(_as_bytes(out) if info.nbytes else memoryview(b"")):
+                        check.update(chunk)
+                    if check.hexdigest() != info.checksum:
+                        raise self.bad(
+                            f"tensor '{info.name}' fails its checksum (the data is corrupt)"
+                        )
+            return dict(zip(names, outs, strict=True))
         total = sum(self.tensors[n].nbytes for n in names)
         if parallel and len(names) > 1 and total >= _PARALLEL_MIN_BYTES:
             with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:

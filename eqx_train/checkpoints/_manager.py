@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _files, _names
+from . import _files, _names, _storage
 from ._async import AsyncManager
 from ._checkpoints import open_reader, restore_checkpoint, save_pipeline
 
@@ -28,9 +28,9 @@ class UnreadableCheckpointWarning(UserWarning):
     counts as having no metric (it is kept only as one of the latest)."""
 
 
-def _metadata_of(path: str) -> dict[str, str]:
+def _metadata_of(store: _storage.Storage, path: str) -> dict[str, str]:
     """A checkpoint's metadata (a file's, or a `.shards` index's); reads no tensor data."""
-    with open_reader(path) as reader:
+    with open_reader(store, path) as reader:
         return reader.metadata
 
 
@@ -106,6 +106,7 @@ class CheckpointManager:
         prefix: str = "checkpoint_",
         async_save: bool = False,
         timeout_s: int | float = 300.0,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
             raise ValueError(
@@ -129,7 +130,10 @@ class CheckpointManager:
         _names.check_prefix(prefix, "CheckpointManager")
         if not isinstance(timeout_s, int | float) or not timeout_s > 0:
             raise ValueError(f"CheckpointManager: timeout_s must be > 0, got {timeout_s!r}.")
-        self.directory = os.fspath(directory)
+        self._store, self.directory = _storage.resolve(
+            directory, storage_options, caller="CheckpointManager"
+        )
+        self.storage_options = storage_options
         self.keep_latest = keep_latest
         self.keep_best = keep_best
         self.best_metric = best_metric
@@ -138,8 +142,8 @@ class CheckpointManager:
         self.prefix = prefix
         self.timeout_s = timeout_s
         self._async = AsyncManager() if async_save else None
-        os.makedirs(self.directory, exist_ok=True)
-        _files.remove_leftovers(self.directory, self.prefix)
+        self._store.makedirs(self.directory)
+        _files.remove_leftovers(self._store, self.directory, self.prefix)
 
     # ------------------------------------------------------------------ saving
 
@@ -181,6 +185,7 @@ class CheckpointManager:
             extra_metadata=extra,
             multiprocess=jax.process_count() > 1,
             timeout_s=self.timeout_s,
+            storage_options=self.storage_options,
         )
 
     def wait(self) -> None:
@@ -225,12 +230,12 @@ class CheckpointManager:
 
     def metrics(self, step: _names.Step) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = _metadata_of(self._path(step)).get(_METRICS_KEY)
+        raw = _metadata_of(self._store, self._path(step)).get(_METRICS_KEY)
         return None if raw is None else json.loads(raw)
 
     def metadata(self, step: _names.Step) -> dict[str, Any] | None:
         """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = _metadata_of(self._path(step)).get(_USER_METADATA_KEY)
+        raw = _metadata_of(self._store, self._path(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
     def restore(self, target: T, step: _names.Step | Literal["best"] | None = None) -> T:
@@ -246,12 +251,18 @@ class CheckpointManager:
                     f"usable '{self.best_metric}' metric."
                 )
             step = best
-        return restore_checkpoint(self.directory, target, step=step, prefix=self.prefix)
+        return restore_checkpoint(
+            self.directory,
+            target,
+            step=step,
+            prefix=self.prefix,
+            storage_options=self.storage_options,
+        )
 
     # ------------------------------------------------------------------ internals
 
     def _listing(self) -> list[_files.Entry]:
-        return _files.list_checkpoints(self.directory, self.prefix)
+        return _files.list_checkpoints(self._store, self.directory, self.prefix)
 
     def _path(self, step: _names.Step) -> str:
         found = _files.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
@@ -264,7 +275,7 @@ class CheckpointManager:
 
     def _metric_of(self, path: str) -> float | None:
         try:
-            raw = _metadata_of(path).get(_METRICS_KEY)
+            raw = _metadata_of(self._store, path).get(_METRICS_KEY)
             metrics = json.loads(raw) if raw else None
         except (OSError, ValueError) as error:
             warnings.warn(

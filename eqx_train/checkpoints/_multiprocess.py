@@ -9,85 +9,40 @@ Layout of a `.shards` checkpoint (see docs/checkpoint_format.md):
         process_00000.{token}.safetensors      the pieces process 0 owns (plain safetensors)
         process_00001.{token}.safetensors      ...
 
-The directory counts as a checkpoint only once its index exists. The index is written last,
-by process 0, through a temporary file renamed over the old index: an overwrite switches
-from the old pieces to the new ones in one atomic step, so a crash leaves the old checkpoint
-or the new one, never neither.
+The directory (on an object store: the key prefix) counts as a checkpoint only once its
+index exists. The index is written last, by process 0, atomically (a temporary file renamed
+over the old index; on an object store, one upload that appears whole): an overwrite
+switches from the old pieces to the new ones in one step, so a crash leaves the old
+checkpoint or the new one, never neither.
+
+The processes synchronise through the coordination service `jax.distributed` runs (see
+`_coordination`), never through files: no step needs a shared POSIX directory.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _files, _format, _names
+from . import _coordination, _files, _format, _names
+from ._coordination import BarrierTimeoutError as BarrierTimeoutError
+from ._storage import Storage
 
 PIECES_KEY = "eqx_train.pieces"
-_POLL_S = 0.02
 _MAX_PIECES = 1 << 20
+_COMMITTED = "committed"
 
 
-class BarrierTimeoutError(TimeoutError):
-    """A multi-process checkpoint step waited longer than `timeout_s` for its peers."""
-
-
-def broadcast_token(timeout_s: int | float, caller: str) -> str:
+def agree_on_token(op: str, timeout_s: int | float, caller: str) -> str:
     """A save token chosen by process 0 (it names process 0 as the writer), the same on
     every process."""
-    if jax.process_count() == 1:
-        return _names.new_token()
-    from jax.experimental import multihost_utils
-
-    host, pid = _names.host_id(), os.getpid()
-    random = os.urandom(8)
-    mine = np.array(
-        [int(host, 16), pid, int.from_bytes(random[:4]), int.from_bytes(random[4:])],
-        dtype=np.uint32,
-    )
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["token"] = np.asarray(multihost_utils.broadcast_one_to_all(mine))
-        except BaseException as error:  # re-raised in the caller's thread
-            result["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise BarrierTimeoutError(
-            f"{caller}: process {jax.process_index()} waited {timeout_s}s for the other "
-            "processes to start the save; every process must call it with the same step."
-        )
-    if "error" in result:
-        raise result["error"]
-    h, p, r0, r1 = (int(v) for v in result["token"])
-    return f"{h:08x}-{p}-{r0:08x}{r1:08x}"
-
-
-def _wait_until(
-    pending: Callable[[], list[str]], timeout_s: int | float, what: str, caller: str
-) -> None:
-    """Polls until `pending()` (what is still missing) is empty, or raises
-    BarrierTimeoutError naming it."""
-    deadline = time.monotonic() + timeout_s
-    while remaining := pending():
-        if time.monotonic() > deadline:
-            raise BarrierTimeoutError(
-                f"{caller}: waited {timeout_s}s for {what}; still waiting on: {remaining}. "
-                "A peer process probably died or never called save; the previous "
-                "checkpoint is still the latest."
-            )
-        time.sleep(_POLL_S)
+    mine = _names.new_token() if jax.process_index() == 0 else None
+    return _coordination.broadcast(f"{op}/token", mine, timeout_s=timeout_s, caller=caller)
 
 
 def plan_pieces(
@@ -123,7 +78,9 @@ def plan_pieces(
 
 
 def write_and_commit(
+    store: Storage,
     final_dir: str,
+    op: str,
     token: str,
     pieces: list[_format.Tensor],
     where: dict[str, dict[str, Any]],
@@ -135,72 +92,88 @@ def write_and_commit(
     overwrite: bool,
     after_commit: Callable[[], None],
 ) -> None:
-    """Every process writes its piece file and a done marker; process 0 waits for all
-    markers, writes the index (the commit), drops the replaced pieces, runs `after_commit`
-    (retention), then removes the markers, which releases the others."""
+    """Every process uploads its piece file and reports; when all pieces are durable,
+    process 0 writes the index (the commit), drops the replaced pieces, runs `after_commit`
+    (retention), and tells the others whether it committed."""
     process, count = jax.process_index(), jax.process_count()
-    os.makedirs(final_dir, exist_ok=True)
-    markers = [os.path.join(final_dir, _names.done_marker(i, token)) for i in range(count)]
+    own_piece = store.join(final_dir, _names.piece_file(process, token))
+    every_piece = [store.join(final_dir, _names.piece_file(i, token)) for i in range(count)]
     committed = False
     try:
-        _files.atomic_write(
-            os.path.join(final_dir, _names.piece_file(process, token)),
-            lambda fd: _format.write_file(fd, pieces, {PIECES_KEY: json.dumps(where)}),
-        )
-        _files.atomic_write(markers[process], lambda fd: None)
-        if process != 0:
-            _wait_until(
-                lambda: ["process 0"] if os.path.exists(markers[process]) else [],
-                timeout_s,
-                "process 0 to commit",
-                caller,
+        try:
+            store.makedirs(final_dir)
+            store.atomic_write(
+                own_piece,
+                lambda out: _format.write_file(out, pieces, {PIECES_KEY: json.dumps(where)}),
             )
-            # Process 0 removes the markers on success and on failure: the index says which.
-            if _names.piece_file(process, token) not in (_files.referenced_pieces(final_dir) or ()):
+            status = "ok"
+        except Exception as error:  # reported to the others, then raised here
+            status = f"{type(error).__name__}: {error}"
+            failure: BaseException | None = error
+        else:
+            failure = None
+        statuses = _coordination.gather(f"{op}/written", status, timeout_s=timeout_s, caller=caller)
+        if failure is not None:
+            raise failure
+        failed = [f"process {i} ({s})" for i, s in enumerate(statuses) if s != "ok"]
+        if failed:
+            raise RuntimeError(
+                f"{caller}: the save was abandoned because {', '.join(failed)} could not "
+                "write its pieces; the previous checkpoint is still the latest."
+            )
+        if process != 0:
+            outcome = _coordination.broadcast(
+                f"{op}/commit", None, timeout_s=timeout_s, caller=caller
+            )
+            if outcome != _COMMITTED:
                 raise RuntimeError(
-                    f"{caller}: process 0 did not commit this save (its own error says why); "
-                    "the previous checkpoint is still the latest."
+                    f"{caller}: process 0 did not commit this save ({outcome}); the previous "
+                    "checkpoint is still the latest."
                 )
+            committed = True
             return
-        _wait_until(
-            lambda: [f"process {i}" for i, m in enumerate(markers) if not os.path.exists(m)],
-            timeout_s,
-            "every process to write its pieces",
-            caller,
-        )
-        arrays = _collect_index(final_dir, token, count, tensors, caller)
-        replaced = _files.referenced_pieces(final_dir) or set()
-        index_metadata = {
-            **metadata,
-            _format.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
-        }
-        _files.atomic_write(
-            os.path.join(final_dir, _names.INDEX_NAME),
-            lambda fd: _format.write_file(fd, [], index_metadata),
-            replace=overwrite,
-        )
+        try:
+            arrays = _collect_index(store, final_dir, token, count, tensors, caller)
+            replaced = _files.referenced_pieces(store, final_dir) or set()
+            index_metadata = {
+                **metadata,
+                _format.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
+            }
+            store.atomic_write(
+                store.join(final_dir, _names.INDEX_NAME),
+                lambda out: _format.write_file(out, [], index_metadata),
+                replace=overwrite,
+            )
+        except BaseException as error:
+            _coordination.broadcast(
+                f"{op}/commit",
+                f"{type(error).__name__}: {error}",
+                timeout_s=timeout_s,
+                caller=caller,
+            )
+            raise
         committed = True
+        _coordination.broadcast(f"{op}/commit", _COMMITTED, timeout_s=timeout_s, caller=caller)
         _files.remove_replaced_pieces(
-            final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
+            store, final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
         )
         after_commit()
-        for marker in markers:
-            os.remove(marker)
     except BaseException:
         if not committed:
             # This save will never commit: take back what it wrote (process 0: every
             # process's pieces of this token), so no uncommitted litter stays behind.
-            mine = {markers[process], os.path.join(final_dir, _names.piece_file(process, token))}
-            if process == 0:
-                mine |= set(markers)
-                mine |= {os.path.join(final_dir, _names.piece_file(i, token)) for i in range(count)}
-            _files.remove_paths(sorted(mine))
-            _files.remove_if_uncommitted_and_empty(final_dir)
+            _files.remove_paths(store, every_piece if process == 0 else [own_piece])
+            _files.remove_if_uncommitted_and_empty(store, final_dir)
         raise
 
 
 def _collect_index(
-    final_dir: str, token: str, count: int, tensors: list[_format.Tensor], caller: str
+    store: Storage,
+    final_dir: str,
+    token: str,
+    count: int,
+    tensors: list[_format.Tensor],
+    caller: str,
 ) -> dict[str, dict[str, Any]]:
     arrays: dict[str, dict[str, Any]] = {
         t.name: {
@@ -212,7 +185,8 @@ def _collect_index(
     }
     for i in range(count):
         file_name = _names.piece_file(i, token)
-        with _format.FileReader(os.path.join(final_dir, file_name)) as reader:
+        path = store.join(final_dir, file_name)
+        with _format.FileReader(path, store.open(path)) as reader:
             where = json.loads(reader.metadata[PIECES_KEY])
         for tensor_name, piece in where.items():
             arrays[piece["leaf"]]["pieces"].append(
@@ -231,8 +205,8 @@ def _collect_index(
 # ------------------------------------------------------------------------------------ restore
 
 
-def is_sharded_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, _names.INDEX_NAME))
+def is_sharded_checkpoint(store: Storage, path: str) -> bool:
+    return store.is_dir(path) and store.is_file(store.join(path, _names.INDEX_NAME))
 
 
 def _validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict[str, Any]]:
@@ -322,11 +296,14 @@ class ShardedReader:
     """A `.shards` checkpoint as one reader: its index (validated whole first), then any
     block of any array, read only from the pieces that overlap it."""
 
-    def __init__(self, directory: str):
+    def __init__(self, store: Storage, directory: str):
         self.path = directory
-        self.index = _format.FileReader(os.path.join(directory, _names.INDEX_NAME))
+        self.store = store
+        index = store.join(directory, _names.INDEX_NAME)
+        self.index = _format.FileReader(index, store.open(index))
         self._files: dict[str, _format.FileReader] = {}
         self._records: dict[str, dict[str, Any]] = {}
+        self._checked: set[tuple[str, str]] = set()
         try:
             raw = self.index.metadata.get(_format.ARRAYS_KEY)
             if raw is None:
@@ -335,26 +312,13 @@ class ShardedReader:
                 _format.parse_json(raw, "the array table", self.bad), self.bad
             )
             self.metadata = self.index.metadata
-            # Open (and so pin) every piece file now: an overwrite that commits meanwhile
-            # cannot pull them away, and each header is checked against the index.
-            for name, entry in self._arrays.items():
-                dtype = _format.CODE_TO_DTYPE[entry["dtype"]]
+            # Locally, open (and so pin) every piece file now: an overwrite that commits
+            # meanwhile cannot pull them away, and each header is checked against the index.
+            # On an object store each open is a request: pieces are opened (and checked)
+            # when first read, so a host fetches only the pieces its devices need.
+            for name, entry in self._arrays.items() if store.is_local else ():
                 for piece in entry["pieces"]:
-                    reader = self._file(piece["file"])
-                    info = reader.tensors.get(piece["tensor"])
-                    extents = tuple(b - a for a, b in piece["index"])
-                    own = self._own_records(piece["file"]).get(piece["tensor"])
-                    if (
-                        info is None
-                        or info.dtype != dtype
-                        or info.shape != extents
-                        or own != {"leaf": name, "index": piece["index"]}
-                    ):
-                        raise self.bad(
-                            f"array {_format.short(name)}: piece "
-                            f"{_format.short(piece['tensor'])} is not in {piece['file']} "
-                            f"as {dtype}{list(extents)}"
-                        )
+                    self._piece(name, piece)
         except BaseException:
             self.close()
             raise
@@ -370,18 +334,38 @@ class ShardedReader:
     def bad(self, why: str) -> _format.CheckpointFormatError:
         return _format.CheckpointFormatError(f"{self.path} is not a valid checkpoint: {why}.")
 
+    def _piece(self, name: str, piece: dict[str, Any]) -> _format.FileReader:
+        """The open piece file of `piece` (of array `name`), checked once against the index:
+        the piece file's own record of the piece must match."""
+        reader = self._file(piece["file"])
+        key = (piece["file"], piece["tensor"])
+        if key not in self._checked:
+            dtype = _format.CODE_TO_DTYPE[self._arrays[name]["dtype"]]
+            info = reader.tensors.get(piece["tensor"])
+            extents = tuple(b - a for a, b in piece["index"])
+            own = self._own_records(piece["file"]).get(piece["tensor"])
+            if (
+                info is None
+                or info.dtype != dtype
+                or info.shape != extents
+                or own != {"leaf": name, "index": piece["index"]}
+            ):
+                raise self.bad(
+                    f"array {_format.short(name)}: piece {_format.short(piece['tensor'])} is "
+                    f"not in {piece['file']} as {dtype}{list(extents)}"
+                )
+            self._checked.add(key)
+        return reader
+
     def _index_replaced(self) -> bool:
-        try:
-            now = os.stat(os.path.join(self.path, _names.INDEX_NAME))
-        except FileNotFoundError:
-            return True
-        mine = os.fstat(self.index.fd)
-        return (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev)
+        now = self.store.identity(self.store.join(self.path, _names.INDEX_NAME))
+        return now != self.index.source.identity
 
     def _file(self, name: str) -> _format.FileReader:
         if name not in self._files:
+            path = self.store.join(self.path, name)
             try:
-                self._files[name] = _format.FileReader(os.path.join(self.path, name))
+                self._files[name] = _format.FileReader(path, self.store.open(path))
             except FileNotFoundError:
                 if self._index_replaced():
                     raise  # an overwrite or retention came after we opened the index: retry
@@ -471,7 +455,7 @@ class ShardedReader:
             dst = tuple(
                 slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, bounds, strict=True)
             )
-            reader = self._file(piece["file"])
+            reader = self._piece(name, piece)
             if verify:
                 key = (piece["file"], piece["tensor"])
                 if key not in self._cache:
