@@ -314,7 +314,8 @@ def test_kill_around_shards_overwrite_commit_gives_old_or_new_never_neither(tmp_
     shards = tmp_path / "checkpoint_1.shards"
     pieces = [n for n in shards_files(shards) if re.fullmatch(r"process_00000\..+\.safetensors", n)]
     assert len(pieces) == 2, shards_files(shards)  # old and new pieces: proof of mid-commit
-    assert any(n.startswith(".") for n in shards_files(shards))  # the done marker (+ temp)
+    # Before the rename the new index's temporary file is still there; after it, nothing.
+    assert any(n.startswith(".") for n in shards_files(shards)) == before
 
     checkpoints.save_checkpoint_multiprocess(tmp_path, tree(3), 2, keep=2)
     assert checkpoints.available_steps(tmp_path) == [1, 2]
