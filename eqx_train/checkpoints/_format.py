@@ -54,7 +54,7 @@ _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _PARALLEL_MIN_BYTES = 16 << 20
 _HASH_CHUNK = 2 << 20
 _STREAM_CHUNK = 16 << 20  # bytes per write to an upload stream
-_FIRST_READ = 64 << 10  # the first request reads the length field and most headers
+_FIRST_READ = 16 << 10  # the first request reads the length field and most headers
 CHECKSUM_ALGORITHM = "xxh3_64"
 _NO_DIGEST = "0" * 16
 

@@ -519,7 +519,7 @@ def resolve(
     if _accepts_listings_cache(cls):
         options.setdefault("use_listings_cache", False)
     fs = cls(**options)
-    return ObjectStorage(protocol, fs), f"{protocol}://{fs._strip_protocol(text).rstrip('/')}"
+    return ObjectStorage(protocol, fs), text.rstrip("/")
 
 
 def _accepts_listings_cache(cls: type) -> bool:
