@@ -390,6 +390,9 @@ class ObjectStorage:
         except BaseException:
             with contextlib.suppress(Exception):
                 stream.discard()
+            # A discarded file must never be closed: closing commits what was written (its
+            # finaliser would try to).
+            stream.closed = True
             raise
         stream.close()
         self._fresh(path)
