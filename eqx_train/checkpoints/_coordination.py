@@ -7,6 +7,8 @@ implementation lands with the issue.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 
@@ -45,4 +47,26 @@ def barrier(op: str, *, timeout_s: float, caller: str) -> None:
     """Returns once every process has called `barrier` with the same `op`."""
     if jax.process_count() == 1:
         return
+    raise NotImplementedError
+
+
+def decide(
+    op: str,
+    make_decision: Callable[[], bool | str],
+    *,
+    timeout_s: float,
+    caller: str,
+) -> bool | str:
+    """`make_decision()` computed on process 0 only and returned on every process, so that a
+    decision that reads a clock or the filesystem is the same everywhere."""
+    if jax.process_count() == 1:
+        return make_decision()
+    raise NotImplementedError
+
+
+def reached_preemption(step: int) -> bool:
+    """True at the step where every process of the job agreed to stop for a preemption
+    (JAX's preemption sync point); False when the preemption service is not available."""
+    if jax.process_count() == 1:
+        return False
     raise NotImplementedError

@@ -1,10 +1,14 @@
-"""`CheckpointManager`: keep the latest N and the best K by a metric, loud async errors."""
+"""`CheckpointManager`: keep the latest N and the best K by a metric, decide when to save
+(every N steps, every T seconds, on preemption), loud async errors."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from decimal import Decimal
@@ -14,13 +18,27 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _files, _names, _storage
+from . import _coordination, _files, _names, _storage
 from ._async import AsyncManager
 from ._checkpoints import open_reader, restore_checkpoint, save_pipeline
 
 T = TypeVar("T")
 _METRICS_KEY = "eqx_train.metrics"
 _USER_METADATA_KEY = "eqx_train.user_metadata"
+
+# The clock of the time-based save policy; a module attribute so that tests can swap in a
+# fake one. Monotonic, so that a wall-clock jump (NTP, a VM resumed) never forces or skips
+# a save.
+_clock = time.monotonic
+
+# `should_save`'s answer as process 0 shares it: (save this step, preemption seen).
+_DECISIONS = {
+    (False, False): "skip",
+    (True, False): "save",
+    (False, True): "preempted, already saved",
+    (True, True): "preempted, save",
+}
+_DECISION_OF = {text: pair for pair, text in _DECISIONS.items()}
 
 
 class UnreadableCheckpointWarning(UserWarning):
@@ -51,7 +69,8 @@ class CheckpointManager:
 
     **Arguments:**
 
-    - `directory`: where the checkpoints go (created if missing).
+    - `directory`: where the checkpoints go (created if missing): a local path or an
+      object-store URL (`s3://bucket/run`, `gs://bucket/run`, `memory://run`).
     - `keep_latest`: newest checkpoints to keep (>= 1).
     - `keep_best`: best checkpoints to keep by `best_metric` (0 for none).
     - `best_metric`: the name of the metric that ranks checkpoints; required if
@@ -63,6 +82,16 @@ class CheckpointManager:
       snapshotted at `save`; an error in the background is raised by the next `save`,
       `wait` or `close` (or when leaving a `with` block).
     - `timeout_s`: in a multi-process job, how long to wait for the other processes.
+    - `save_interval_steps`: `should_save(step)` says yes when `step` is a multiple of
+      this (an int >= 1); `None` for no step interval.
+    - `save_interval_seconds`: `should_save` says yes once this many seconds (a finite
+      number > 0) have passed since the last save through this manager began, or since
+      the manager was created; `None` for no time interval.
+    - `handle_sigterm`: let SIGTERM mark a preemption (see below); `False` leaves signal
+      handling alone.
+    - `storage_options`: for an object-store URL, options of its fsspec filesystem
+      (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
+      variables apply too.
 
     On creation the manager removes temporary files left by a killed save of this
     directory and prefix (only files named as this library names them, and only if the
@@ -92,6 +121,21 @@ class CheckpointManager:
     `save_checkpoint_multiprocess` (each process writes its own shards, `timeout_s` bounds
     the waits) and process 0 applies the retention policy. Reading methods work on every
     process.
+
+    **When to save:** `save` always saves. To save on a schedule, call it when
+    `should_save(step)` says so; see `should_save` for the rules (intervals, preemption,
+    never a step already saved) and the loop that resumes after a preemption.
+
+    **Preemption:** with `handle_sigterm=True` (the default), the first `should_save` call
+    made on the main thread of a single-process job installs a SIGTERM handler. The handler
+    only records the signal (and calls the handler that was installed before it, if that
+    was a Python function); the next `should_save` answers yes, the loop saves and sees
+    `preempted`, and exits cleanly instead of being killed mid-step. `close()` (or leaving
+    the `with` block) puts the previous handler back. A manager whose `should_save` is never
+    called never touches signals, so SIGTERM keeps its usual meaning for code that calls
+    `save` by hand. In a multi-process job no handler is installed: JAX's preemption
+    service (started by `jax.distributed.initialize`) listens for the signal itself, and
+    `should_save` consults its sync point instead.
     """
 
     def __init__(
@@ -106,6 +150,9 @@ class CheckpointManager:
         prefix: str = "checkpoint_",
         async_save: bool = False,
         timeout_s: int | float = 300.0,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: int | float | None = None,
+        handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ):
         if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
@@ -130,6 +177,29 @@ class CheckpointManager:
         _names.check_prefix(prefix, "CheckpointManager")
         if not isinstance(timeout_s, int | float) or not timeout_s > 0:
             raise ValueError(f"CheckpointManager: timeout_s must be > 0, got {timeout_s!r}.")
+        if save_interval_steps is not None and (
+            isinstance(save_interval_steps, bool)
+            or not isinstance(save_interval_steps, int)
+            or save_interval_steps < 1
+        ):
+            raise ValueError(
+                "CheckpointManager: save_interval_steps must be an int >= 1 (save at every "
+                f"multiple of it) or None, got {save_interval_steps!r}."
+            )
+        if save_interval_seconds is not None and (
+            isinstance(save_interval_seconds, bool)
+            or not isinstance(save_interval_seconds, int | float)
+            or not math.isfinite(save_interval_seconds)
+            or save_interval_seconds <= 0
+        ):
+            raise ValueError(
+                "CheckpointManager: save_interval_seconds must be a finite number > 0 (the "
+                f"seconds between saves) or None, got {save_interval_seconds!r}."
+            )
+        if not isinstance(handle_sigterm, bool):
+            raise ValueError(
+                f"CheckpointManager: handle_sigterm must be True or False, got {handle_sigterm!r}."
+            )
         self._store, self.directory = _storage.resolve(
             directory, storage_options, caller="CheckpointManager"
         )
@@ -141,9 +211,20 @@ class CheckpointManager:
         self.keep_every_n_steps = keep_every_n_steps
         self.prefix = prefix
         self.timeout_s = timeout_s
+        self.save_interval_steps = save_interval_steps
+        self.save_interval_seconds = save_interval_seconds
+        self.handle_sigterm = handle_sigterm
         self._async = AsyncManager() if async_save else None
         self._store.makedirs(self.directory)
         _files.remove_leftovers(self._store, self.directory, self.prefix)
+        # The save policy's state. Only process 0's copy decides (`_coordination.decide`).
+        self._last_save_began = _clock()
+        self._latest_saved: Decimal | None = None  # read from the directory on first use
+        self._latest_known = False
+        self._sigterm_received = False
+        self._preempted = False
+        self._sigterm_handler: Any = None
+        self._previous_sigterm_handler: Any = None
 
     # ------------------------------------------------------------------ saving
 
@@ -169,11 +250,12 @@ class CheckpointManager:
 
         Raises the error of a failed previous background save, if any.
         """
+        began = _clock()
         extra = {
             _METRICS_KEY: self._encode_metrics(metrics),
             _USER_METADATA_KEY: self._encode_metadata(metadata),
         }
-        return save_pipeline(
+        path = save_pipeline(
             self.directory,
             state,
             step,
@@ -187,6 +269,94 @@ class CheckpointManager:
             timeout_s=self.timeout_s,
             storage_options=self.storage_options,
         )
+        # A save succeeded, so `step` is now the newest checkpoint (an older step needs
+        # overwrite=True, which deletes the newer ones).
+        self._latest_saved = _names.check_step(step, "CheckpointManager.save")
+        self._latest_known = True
+        self._last_save_began = began
+        return path
+
+    def should_save(self, step: _names.Step) -> bool:
+        """Whether to save at `step`: True when `step` is newer than every checkpoint
+        already in the directory or saved through this manager, and one of these holds:
+
+        - `step` is a multiple of `save_interval_steps`;
+        - `save_interval_seconds` have passed since the last save through this manager
+          began (or since the manager was created);
+        - a preemption was signalled: SIGTERM since the first `should_save` call (single
+          process, `handle_sigterm=True`), or JAX's preemption sync point at this step
+          (multi-process). From then on `preempted` is True.
+
+        With neither interval set, only a preemption makes it True. It never saves by
+        itself: call `save` when it says so, then leave the loop if `preempted`.
+
+        **Arguments:**
+
+        - `step`: the current step (int or float; JAX's sync point is consulted at integral
+          steps only, so multi-process jobs should count in ints).
+
+        **Returns:** `True` if this step should be saved.
+
+        Call it once per step, with increasing steps, on every process of a multi-process
+        job (JAX's sync point must be reached by all of them). Process 0 takes the decision
+        with its own clock and its view of the directory, and every process receives the
+        same answer, so hosts with skewed clocks never disagree on whether to save (this
+        costs one key-value exchange per call on a multi-process job).
+
+        **Example:**
+
+        ```python
+        import tempfile
+
+        import numpy as np
+        from eqx_train.checkpoints import CheckpointManager
+
+        saved = []
+        with CheckpointManager(tempfile.mkdtemp(), keep_latest=5, save_interval_steps=3) as mgr:
+            for step in range(8):
+                state = {"step": np.asarray(step)}  # one training step
+                if mgr.should_save(step):
+                    mgr.save(step, state)
+                    saved.append(step)
+                if mgr.preempted:
+                    break
+        assert saved == [0, 3, 6]
+        ```
+
+        **Differences from orbax:** orbax's `save` skips the step unless `should_save`
+        agrees or `force=True`; here `save` always saves and the loop asks `should_save`.
+        Orbax saves every step by default (`save_interval_steps=1`); here a manager with no
+        interval saves only on preemption. Orbax also says yes at the first step of a run
+        whose directory has no checkpoint; here a loop that starts at step 0 gets that from
+        the step interval (0 is a multiple of every interval), and a time-only policy first
+        saves one interval after the manager was created.
+        """
+        value = _names.check_step(step, "CheckpointManager.should_save")
+        self._install_sigterm_handler()
+        # Every process must reach JAX's sync point at every step, so each asks it here,
+        # before process 0 decides; the answer is the same on every process.
+        at_sync_point = value == value.to_integral_value() and _coordination.reached_preemption(
+            int(value)
+        )
+        decision = _coordination.decide(
+            _coordination.next_id("should_save"),
+            lambda: _DECISIONS[self._decide(value, at_sync_point)],
+            timeout_s=self.timeout_s,
+            caller="CheckpointManager.should_save",
+        )
+        save, preempted = _DECISION_OF[str(decision)]
+        self._preempted = self._preempted or preempted
+        return save
+
+    @property
+    def preempted(self) -> bool:
+        """True once `should_save` has seen a preemption (SIGTERM, or JAX's preemption sync
+        point); it then stays True. The loop should save when `should_save` says so and
+        then stop, so that the job exits cleanly and the next run resumes from that step.
+
+        It turns True only inside `should_save`, never in between, so a loop that checks it
+        right after `should_save` cannot leave without the save it was told to make."""
+        return self._preempted
 
     def wait(self) -> None:
         """Blocks until the background save (if any) is done; raises its error if it failed."""
@@ -194,8 +364,12 @@ class CheckpointManager:
             self._async.wait_previous_save()
 
     def close(self) -> None:
-        """Waits for the background save and raises its error, if any."""
-        self.wait()
+        """Waits for the background save and raises its error, if any, then puts back the
+        SIGTERM handler that this manager replaced (if it installed one)."""
+        try:
+            self.wait()
+        finally:
+            self._restore_sigterm_handler()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -260,6 +434,58 @@ class CheckpointManager:
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _decide(self, value: Decimal, at_sync_point: bool) -> tuple[bool, bool]:
+        """(save this step, preemption seen), by this process's clock and listing: the
+        answer `should_save` shares when this is process 0."""
+        preempted = self._preempted or self._sigterm_received or at_sync_point
+        if not self._latest_known:
+            listing = self._listing()
+            self._latest_saved = listing[-1].value if listing else None
+            self._latest_known = True
+        if self._latest_saved is not None and value <= self._latest_saved:
+            return False, preempted
+        if preempted:
+            return True, True
+        if self.save_interval_steps is not None and value % self.save_interval_steps == 0:
+            return True, False
+        seconds = self.save_interval_seconds
+        return seconds is not None and _clock() - self._last_save_began >= seconds, False
+
+    def _install_sigterm_handler(self) -> None:
+        if (
+            not self.handle_sigterm
+            or self._sigterm_handler is not None
+            # Multi-process: JAX's preemption notifier owns SIGTERM (replacing its handler
+            # would hide preemptions from the sync point).
+            or jax.process_count() > 1
+            # Python runs signal handlers, and lets them be set, on the main thread only.
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._sigterm_received = True
+            if callable(previous):  # a Python handler; never SIG_DFL, which would kill us
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm_handler = on_sigterm
+        self._previous_sigterm_handler = previous
+
+    def _restore_sigterm_handler(self) -> None:
+        handler = self._sigterm_handler
+        if handler is None or threading.current_thread() is not threading.main_thread():
+            return
+        # If someone installed a handler over ours, theirs stays (it may chain to ours,
+        # which still only records the signal).
+        if signal.getsignal(signal.SIGTERM) is handler:
+            previous = self._previous_sigterm_handler
+            # None: the previous handler was not set from Python; the default is the
+            # closest we can put back.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        self._sigterm_handler = None
 
     def _listing(self) -> list[_files.Entry]:
         return _files.list_checkpoints(self._store, self.directory, self.prefix)
