@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import equinox as eqx
 import fsspec
@@ -70,7 +69,9 @@ def test_every_dtype_and_tree_kind_round_trips(location):
 def test_retention_and_overwrite_follow_flax(location):
     url, options = location
     for step in range(5):
-        checkpoints.save_checkpoint(url, {"x": np.full(3, step)}, step, keep=2, storage_options=options)
+        checkpoints.save_checkpoint(
+            url, {"x": np.full(3, step)}, step, keep=2, storage_options=options
+        )
     assert checkpoints.available_steps(url, storage_options=options) == [3, 4]
     with pytest.raises(ValueError, match="not newer"):
         checkpoints.save_checkpoint(url, {"x": np.zeros(3)}, 3, storage_options=options)
@@ -90,7 +91,9 @@ def test_manager_and_async_saves(location):
     )  # fmt: skip
     state = TrainState.create(model={"w": jnp.ones(4)}, tx=optax.adam(1e-3))
     for step, loss in enumerate([3.0, 1.0, 2.0, 4.0]):
-        manager.save(step, eqx.tree_at(lambda s: s.step, state, jnp.asarray(step)), metrics={"loss": loss})
+        manager.save(
+            step, eqx.tree_at(lambda s: s.step, state, jnp.asarray(step)), metrics={"loss": loss}
+        )
     manager.wait()
     assert checkpoints.available_steps(url, storage_options=options) == [1, 3]
     best = manager.restore(state, step=1)
@@ -192,3 +195,84 @@ def test_file_urls_are_local_paths(tmp_path):
     assert checkpoints.available_steps(tmp_path) == [1]
     with pytest.raises(ValueError, match="absolute"):
         checkpoints.save_checkpoint("file://relative/dir", {"x": np.arange(3)}, 1)
+
+
+# ------------------------------------------------------------------ S3 only
+
+
+KILLED_UPLOAD = """
+import json, os, signal, sys
+import numpy as np
+import s3fs.core
+from eqx_train import checkpoints
+from eqx_train.checkpoints import _storage
+
+url, options = sys.argv[1], json.loads(sys.argv[2])
+_storage._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
+checkpoints.save_checkpoint(url, {"x": np.zeros(10)}, 1, storage_options=options)
+print("OLD-SAVED", flush=True)
+real_upload = s3fs.core.S3File._upload_chunk
+
+def upload_then_die(self, final=False):
+    result = real_upload(self, final)
+    if self.parts and not final:
+        print(f"KILL-POINT after part {len(self.parts)} of {self.path}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+s3fs.core.S3File._upload_chunk = upload_then_die
+checkpoints.save_checkpoint(url, {"x": np.ones(3 << 20)}, 2, storage_options=options)
+print("UNREACHABLE", flush=True)
+"""
+
+
+def test_sigkill_mid_upload_keeps_the_previous_checkpoint_and_the_next_save_cleans_up(
+    s3_server, s3_bucket
+):
+    import json
+
+    url, options = f"{s3_bucket}/run", s3_server.storage_options
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_UPLOAD, url, json.dumps(options)],
+        capture_output=True, text=True, timeout=120, env=s3_server.env,
+    )  # fmt: skip
+    out = child.stdout + child.stderr
+    assert child.returncode == -signal.SIGKILL, out
+    assert (
+        out.index("OLD-SAVED") < out.index("KILL-POINT after part 1") and "UNREACHABLE" not in out
+    )
+    store, _ = _storage.resolve(url, options, caller="test")
+    bucket = s3_bucket.split("://")[1]
+    pending = store.fs.list_multipart_uploads(bucket)
+    # Proof that the kill landed mid-upload: a multipart upload of step 2 is open.
+    assert [u["Key"] for u in pending] == ["run/checkpoint_2.safetensors"], pending
+    assert [i.name for i in store.list(url)] == ["checkpoint_1.safetensors"]
+    assert checkpoints.available_steps(url, storage_options=options) == [1]
+    np.testing.assert_array_equal(
+        checkpoints.restore_checkpoint(url, None, storage_options=options)["x"], np.zeros(10)
+    )
+    checkpoints.save_checkpoint(url, {"x": np.full(4, 3.0)}, 3, storage_options=options)
+    assert store.fs.list_multipart_uploads(bucket) == []
+    assert checkpoints.available_steps(url, storage_options=options) == [3]
+
+
+def test_gs_urls_take_the_same_code_path_as_s3(s3_server, s3_bucket, monkeypatch):
+    """No GCS server runs here: `gs://` is routed to the S3 server through an fsspec
+    filesystem registered for the protocol, which is exactly how gcsfs plugs in. Nothing in
+    eqx_train distinguishes the two."""
+    import s3fs
+
+    class GsBackedByS3(s3fs.S3FileSystem):
+        protocol = ("gs", "gcs")
+
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "gs", GsBackedByS3)
+    bucket = s3_bucket.split("://")[1]
+    url, options = f"gs://{bucket}/run", s3_server.storage_options
+    tree = {"w": np.arange(12.0).reshape(3, 4), "step": 7}
+    path = checkpoints.save_checkpoint(url, tree, 7, storage_options=options)
+    assert path == f"{url}/checkpoint_7.safetensors"
+    assert checkpoints.available_steps(url, storage_options=options) == [7]
+    assert_trees_equal(checkpoints.restore_checkpoint(url, tree, storage_options=options), tree)
+    # The object really is in the S3 bucket.
+    s3 = s3fs.S3FileSystem(**options)
+    assert s3.ls(f"{bucket}/run") == [f"{bucket}/run/checkpoint_7.safetensors"]

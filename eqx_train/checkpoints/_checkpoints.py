@@ -45,7 +45,11 @@ def save_checkpoint(
 
     **Arguments:**
 
-    - `ckpt_dir`: directory of the checkpoints (created if missing).
+    - `ckpt_dir`: directory of the checkpoints (created if missing): a local path or an
+      object-store URL, `s3://bucket/run`, `gs://bucket/run`, `memory://run`,
+      `file:///abs/path` (see [Cloud storage and preemption](../cloud_storage.md)). On an
+      object store the file is uploaded under its final name and appears only when the
+      upload completes.
     - `target`: any pytree: dicts/lists/tuples, Equinox modules, a `TrainState`. Array leaves
       (JAX, NumPy, typed PRNG keys, Python and NumPy scalars) are saved bit-exactly in their
       own dtype; strings are kept in the metadata; other leaves (functions, static fields) are
@@ -61,6 +65,9 @@ def save_checkpoint(
       least this many steps past the last step kept this way (step 0 is never kept by it).
     - `async_manager`: if given, snapshot `target` to host memory now and write in the
       background; a later save waits for this one and raises its error.
+    - `storage_options`: for an object-store URL, options of its fsspec filesystem
+      (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
 
     **Returns:**
 
@@ -216,9 +223,12 @@ def save_checkpoint_multiprocess(
 
     **Arguments:** as `save_checkpoint`, plus
 
-    - `timeout_s`: how long a process waits for its peers at each synchronisation point.
+    - `timeout_s`: how long a process waits for its peers at each synchronisation point
+      (through the coordination service of `jax.distributed`; no shared file system is
+      needed for it).
 
-    `ckpt_dir` must be the same shared directory on every process.
+    `ckpt_dir` must name the same storage on every process: an object-store URL, or a
+    directory of a file system every process mounts.
 
     **Returns:**
 
@@ -250,7 +260,8 @@ def latest_checkpoint(
 
     Steps compare numerically (`9 < 10`, `0.5 < 1e5`); names that are not exactly
     `{prefix}{number}.safetensors` (a regular file) or a committed `{prefix}{number}.shards`
-    directory (notes, temporary files, other prefixes) are ignored.
+    directory (notes, temporary files, other prefixes) are ignored. `ckpt_dir` may be an
+    object-store URL (then `storage_options` as for `save_checkpoint`).
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
     newest = _files.latest(_files.list_checkpoints(store, where, prefix))
@@ -271,6 +282,9 @@ def available_steps(
     - `ckpt_dir`: the checkpoint directory (missing: `[]`).
     - `prefix`: file name prefix.
     - `step_type`: `int` (default) or `float`; an int step type on non-integral steps raises.
+    - `storage_options`: for an object-store URL, options of its fsspec filesystem
+      (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="available_steps")
     listing = _files.list_checkpoints(store, where, prefix)
@@ -369,6 +383,11 @@ def restore_checkpoint(
       dtype must still match).
     - `verify`: check every tensor read against the checksum recorded when it was saved
       (default). Files written before checksums existed have nothing to check.
+    - `storage_options`: for an object-store URL, options of its fsspec filesystem
+      (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
+      From an object store only the byte ranges of the needed tensors are fetched, in
+      parallel requests.
 
     **Returns:**
 
