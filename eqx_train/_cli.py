@@ -309,9 +309,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = command("verify", "Check every tensor against its checksum; exit 1 on any mismatch.")
     sub.add_argument("path", help="a checkpoint, or a directory of checkpoints (all checked)")
     sub.set_defaults(run=_verify)
-    sub = command(
-        "diff", "Compare two checkpoints tensor by tensor; exit 1 if they differ."
-    )
+    sub = command("diff", "Compare two checkpoints tensor by tensor; exit 1 if they differ.")
     sub.add_argument("a", help="first checkpoint (a directory: its latest)")
     sub.add_argument("b", help="second checkpoint (a directory: its latest)")
     sub.set_defaults(run=_diff)

@@ -288,7 +288,9 @@ class IndexReader:
             self._files[file] = reader
             for name in names:
                 if name not in reader.tensors:
-                    raise self.bad(f"it maps tensor {_format.short(name)} to {file}, which lacks it")
+                    raise self.bad(
+                        f"it maps tensor {_format.short(name)} to {file}, which lacks it"
+                    )
             unlisted = sorted(set(reader.tensors) - set(names))
             if unlisted:
                 raise self.bad(
