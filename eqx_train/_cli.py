@@ -10,7 +10,6 @@ accelerator and start fast. Errors are one line on stderr naming the file, exit 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re

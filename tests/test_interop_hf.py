@@ -13,7 +13,6 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from eqx_train.checkpoints import CheckpointFormatError, restore_checkpoint
 from eqx_train.interop import load_sharded, save_sharded
-
 from tests.helpers import assert_trees_equal
 
 INDEX = "model.safetensors.index.json"
