@@ -448,20 +448,28 @@ def _expected(kind: _format.LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dt
     return tuple(data.shape), np.dtype(data.dtype)
 
 
-def _fail(path: str, problems: list[str], strict: bool) -> None:
+def _fail(path: str, problems: list[str], strict: bool, caller: str) -> None:
     listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
     listed += f"\n  ... and {more} more" if more > 0 else ""
     raise ValueError(
-        f"restore_checkpoint: {path} does not match the target:\n  {listed}\n"
+        f"{caller}: {path} does not match the target:\n  {listed}\n"
         "Pass target=None to load the file as saved"
         + (", or strict=False to restore only the leaves present in both." if strict else ".")
     )
 
 
 def _restore_from(
-    reader: Reader, target: Any, *, strict: bool, parallel: bool, verify: bool
+    reader: Any,
+    target: Any,
+    *,
+    strict: bool,
+    parallel: bool,
+    verify: bool,
+    caller: str = "restore_checkpoint",
 ) -> Any:
+    # `reader`: a `Reader`, or any reader with the same interface (path, bad, arrays, read,
+    # read_many, has_description, description), such as interop's Hugging Face layout.
     if target is None:
         if not reader.has_description:
             return _unflatten_names(reader.read_many(list(reader.arrays()), verify=verify))
@@ -524,7 +532,7 @@ def _restore_from(
         # A file whose header was corrupted can look like a mismatch: its checksums say which.
         for name in mismatched:
             reader.read(name, verify=True)
-        _fail(reader.path, problems, strict)
+        _fail(reader.path, problems, strict, caller)
 
     whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]
     arrays = reader.read_many(whole, verify=verify, parallel=parallel)
@@ -538,11 +546,11 @@ def _restore_from(
         except ValueError as error:
             problems.append(f"'{name}': {error}")
     if problems:
-        _fail(reader.path, problems, strict)
+        _fail(reader.path, problems, strict, caller)
     return jtu.tree_unflatten(treedef, leaves)
 
 
-def _saved_key_impls(reader: Reader) -> dict[str, str]:
+def _saved_key_impls(reader: Any) -> dict[str, str]:
     """The implementation of every typed PRNG key the file's tree records, by tensor name."""
     if not reader.has_description:
         return {}
@@ -560,7 +568,7 @@ def _saved_key_impls(reader: Reader) -> dict[str, str]:
     return found
 
 
-def _blockwise(reader: Reader, leaf: Any, kind: _format.LeafKind) -> bool:
+def _blockwise(reader: Any, leaf: Any, kind: _format.LeafKind) -> bool:
     """Read device by device (each device's block only) rather than whole: for an array
     target whose sharding spans processes, or any sharded target of a `.shards` layout."""
     sharding = getattr(leaf, "sharding", None)
@@ -569,7 +577,7 @@ def _blockwise(reader: Reader, leaf: Any, kind: _format.LeafKind) -> bool:
     return isinstance(reader, _multiprocess.ShardedReader) or not sharding.is_fully_addressable
 
 
-def _read_blockwise(reader: Reader, name: str, leaf: Any, verify: bool) -> jax.Array:
+def _read_blockwise(reader: Any, name: str, leaf: Any, verify: bool) -> jax.Array:
     shape, sharding = tuple(leaf.shape), leaf.sharding
     read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
     blocks = []

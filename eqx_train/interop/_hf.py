@@ -1,18 +1,437 @@
-"""The Hugging Face sharded safetensors layout (`model-0000k-of-0000N.safetensors` + index)."""
+"""The Hugging Face sharded safetensors layout, written with eqx_train's one writer and read
+back through `restore_checkpoint`'s own matching code.
+
+Layout of a directory (as `huggingface_hub` and `transformers` write it):
+
+    model.safetensors                         everything, when it fits in one shard; or
+    model-00001-of-00003.safetensors ...      the shards, plain safetensors files, and
+    model.safetensors.index.json              {"metadata": {"total_size": bytes},
+                                               "weight_map": {tensor name: shard file}}
+
+Each file's safetensors metadata holds `"format": "pt"` (which `transformers` requires) and
+eqx_train's checksums. Ours adds, in the index's metadata, the tree description (so a load
+without a target rebuilds the tree) and a save token that every shard of the save repeats:
+a load that finds a shard of another save (a save killed while replacing same-named shards)
+refuses it instead of mixing two models.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+
+from ..checkpoints import _checkpoints, _files, _format, _names
+from ..checkpoints._format import CheckpointFormatError
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+SAVE_KEY = "eqx_train.save"
+TREE_CHECKSUM_KEY = "eqx_train.tree_checksum"
+INDEX_FORMAT = "eqx_train.hf_sharded"
+_MAX_INDEX_BYTES = 64 << 20
+# huggingface_hub's decimal units, and the binary ones transformers also accepts.
+_SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*")
+
+
+def parse_size(size: Any, caller: str = "save_sharded") -> int:
+    """Bytes from an int or a string such as `"5GB"` (10**9 each), `"500MB"` or `"10KiB"`
+    (2**10 each); units are case-insensitive, as in huggingface_hub."""
+    if isinstance(size, bool) or not isinstance(size, int | str):
+        raise TypeError(
+            f"{caller}: max_shard_size must be an int (bytes) or a string such as '5GB', "
+            f"got {_format.short(size)}."
+        )
+    if isinstance(size, int):
+        value = size
+    else:
+        match = _SIZE.fullmatch(size)
+        unit = match and _SIZE_UNITS.get(match[2].upper())
+        if match is None or unit is None:
+            raise ValueError(
+                f"{caller}: max_shard_size {size!r} is not a size: expected a number and a "
+                "unit, one of B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers "
+                "of 2), e.g. '5GB', '500MB', '10KiB'."
+            )
+        value = int(float(match[1]) * unit)
+    if value <= 0:
+        raise ValueError(f"{caller}: max_shard_size must be positive, got {size!r}.")
+    return value
+
+
+def plan_shards(tensors: Sequence[_format.Tensor], limit: int) -> list[list[_format.Tensor]]:
+    """huggingface_hub's split: tensors in order fill a shard until the next would pass
+    `limit`; a tensor bigger than `limit` alone gets a shard of its own, in place."""
+    shards: list[list[_format.Tensor]] = []
+    current: list[_format.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = _nbytes(tensor)
+        if nbytes > limit:
+            shards.append([tensor])
+            continue
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(tensor)
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def _nbytes(tensor: _format.Tensor) -> int:
+    return int(np.prod(tensor.shape, dtype=np.int64)) * tensor.dtype.itemsize
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def save_sharded(
     directory: str | os.PathLike[str], tree: Any, *, max_shard_size: int | str = "5GB"
 ) -> None:
-    """Placeholder: implemented under issue 14."""
-    raise NotImplementedError("save_sharded is not implemented yet")
+    """Saves `tree` in the Hugging Face layout: `model.safetensors` if it fits in one shard,
+    else `model-00001-of-0000N.safetensors`... and `model.safetensors.index.json`.
+
+    `transformers` (`from_pretrained`), `huggingface_hub` and `safetensors` read the result:
+    tensor names are the leaves' dotted key paths (`layers.0.weight`, the PyTorch names
+    wherever Equinox and PyTorch agree, see `to_state_dict`), and every file's metadata says
+    `"format": "pt"`. Tensors fill shards in tree order until the next one would pass
+    `max_shard_size`, as in huggingface_hub; a tensor bigger than that gets a shard of its
+    own (which is then bigger than `max_shard_size`).
+
+    Leaves are handled as by `save_checkpoint`: arrays (JAX, NumPy, typed PRNG keys as
+    their key data) and Python/NumPy scalars become tensors, bit-exactly in their own dtype;
+    strings are kept in the tree description; other leaves (functions, static fields) are
+    not saved and come back from the target on `load_sharded`. To publish only the arrays
+    (a `float` field such as `Dropout.p` is a 0-d tensor otherwise), save
+    `eqx.filter(model, eqx.is_array)`.
+
+    Each file is written to a temporary name, fsynced and renamed into place; the index is
+    written last, then the files of a previous save that the new one does not use are
+    removed. A crash leaves the previous save, or (when it was replacing shards of the same
+    names) a directory that `load_sharded` refuses naming the shard, never a silent mix.
+
+    **Arguments:**
+
+    - `directory`: where to write (created if missing). Other files in it are left alone.
+    - `tree`: any pytree: an Equinox model, dicts of arrays, a `TrainState`...
+    - `max_shard_size`: bytes per shard, an int or a string: `"5GB"`, `"500MB"` (powers of
+      10, as huggingface_hub) or `"10GiB"`, `"512KiB"` (powers of 2).
+
+    **Raises:**
+
+    `ValueError` naming the value for a bad `max_shard_size`; `TypeError` / `ValueError`
+    naming the leaf path for what `save_checkpoint` refuses too (complex, masked arrays,
+    unsupported dtypes, two leaves with one name). Nothing is written when it raises so.
+    """
+    caller = "save_sharded"
+    directory = os.fspath(directory)
+    limit = parse_size(max_shard_size, caller)
+    description, tensors = _format.describe(tree, caller=caller)
+    groups = plan_shards(tensors, limit)
+    names = shard_names(len(groups))
+    token = os.urandom(8).hex()
+    tree_text = json.dumps(description, separators=(",", ":"))
+    base = {
+        "format": "pt",
+        "eqx_train.format": _format.FORMAT_NAME,
+        "eqx_train.format_version": str(_format.FORMAT_VERSION),
+    }
+    if len(groups) == 1:
+        # One file: an ordinary eqx_train checkpoint file (without a step).
+        plans = [(names[0], groups[0], {**base, _format.TREE_KEY: tree_text})]
+    else:
+        plans = [(n, g, {**base, SAVE_KEY: token}) for n, g in zip(names, groups, strict=True)]
+    for _, group, metadata in plans:
+        _format.check_header_size(group, metadata, caller)
+    os.makedirs(directory, exist_ok=True)
+    _remove_dead_temporaries(directory)
+    for name, group, metadata in plans:
+        _files.atomic_write(
+            os.path.join(directory, name),
+            lambda fd, g=group, m=metadata: _format.write_file(fd, g, m),
+        )
+    if len(groups) > 1:
+        index = {
+            "metadata": {
+                "total_size": sum(_nbytes(t) for t in tensors),
+                "eqx_train.format": INDEX_FORMAT,
+                "eqx_train.format_version": str(_format.FORMAT_VERSION),
+                SAVE_KEY: token,
+                _format.TREE_KEY: tree_text,
+                TREE_CHECKSUM_KEY: _format._text_digest(tree_text),
+            },
+            "weight_map": {t.name: name for name, group, _ in plans for t in group},
+        }
+        raw = json.dumps(index, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
+        _files.atomic_write(
+            os.path.join(directory, INDEX_NAME), lambda fd: _format.write_all(fd, memoryview(raw))
+        )
+    # The new save is in place: only now may the previous one's files go.
+    stale = [INDEX_NAME] if len(groups) == 1 else [SINGLE_NAME]
+    stale += [
+        entry
+        for entry in os.listdir(directory)
+        if SHARD_PATTERN.fullmatch(entry) and entry not in names
+    ]
+    _files.remove_paths([os.path.join(directory, entry) for entry in stale])
+    _files.fsync_dir(directory)
 
 
-def load_sharded(directory: str | os.PathLike[str], target: Any = None) -> Any:
-    """Placeholder: implemented under issue 14."""
-    raise NotImplementedError("load_sharded is not implemented yet")
+def _remove_dead_temporaries(directory: str) -> None:
+    """Temporary files that killed saves of this layout left behind (only names this module
+    writes, and only when their writer's process is gone)."""
+    ours = {SINGLE_NAME, INDEX_NAME}
+    for entry in os.listdir(directory):
+        temp = _names.parse_temp(entry)
+        if temp is not None and (temp[0] in ours or SHARD_PATTERN.fullmatch(temp[0])):
+            if _names.writer_is_dead(temp[1], temp[2]):
+                _files.remove_paths([os.path.join(directory, entry)])
+
+
+# ------------------------------------------------------------------------------------ load
+
+
+def is_plain_file_name(name: Any) -> bool:
+    """A name that can only mean a file directly inside the directory."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep, "\0"))
+        and not os.path.isabs(name)
+    )
+
+
+class IndexReader:
+    """A sharded Hugging Face directory as one checkpoint reader, with the interface of
+    `FileReader` (`arrays`, `read`, `read_many`, `has_description`, `description`), so that
+    `restore_checkpoint`'s matching code serves it unchanged.
+
+    The whole index is validated and every shard's header read and checked against it
+    before anything is trusted; tensor data is then read only from the shards that hold
+    the tensors asked for.
+    """
+
+    def __init__(self, directory: str):
+        self.path = directory
+        self.index_path = os.path.join(directory, INDEX_NAME)
+        self._files: dict[str, _format.FileReader] = {}
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def bad(self, why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.index_path} is not a valid index: {why}.")
+
+    def _load(self) -> None:
+        try:
+            fd = os.open(self.index_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except IsADirectoryError:
+            raise self.bad("it is a directory, not a file") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > _MAX_INDEX_BYTES:
+                raise self.bad(f"it has {size} bytes, more than the {_MAX_INDEX_BYTES} allowed")
+            with os.fdopen(os.dup(fd), "rb") as stream:
+                raw = stream.read(_MAX_INDEX_BYTES + 1)
+        finally:
+            os.close(fd)
+        index = _format.parse_json(raw, "the index", self.bad)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise self.bad("it is not a JSON object with a 'weight_map' object")
+        metadata = index.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise self.bad("its 'metadata' is not a JSON object")
+        weight_map: dict[str, Any] = index["weight_map"]
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if not is_plain_file_name(file):
+                raise self.bad(
+                    f"tensor {_format.short(name)} is mapped to {_format.short(file)}, which is "
+                    "not a plain file name in the directory"
+                )
+            by_file.setdefault(file, []).append(name)
+        # Only the string entries are ours (total_size is a number; others are foreign).
+        self.metadata: dict[str, str] = {k: v for k, v in metadata.items() if isinstance(v, str)}
+        self.total_size = metadata.get("total_size")
+        token = self.metadata.get(SAVE_KEY)
+        shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self._where: dict[str, str] = {}
+        for file, names in by_file.items():
+            path = os.path.join(self.path, file)
+            try:
+                reader = _format.FileReader(path)
+            except FileNotFoundError:
+                raise self.bad(f"it maps tensors to {file}, which is missing") from None
+            self._files[file] = reader
+            for name in names:
+                if name not in reader.tensors:
+                    raise self.bad(
+                        f"it maps tensor {_format.short(name)} to {file}, which lacks it"
+                    )
+            unlisted = sorted(set(reader.tensors) - set(names))
+            if unlisted:
+                raise self.bad(
+                    f"{file} holds tensors the index does not map to it: "
+                    f"{_format.short(unlisted[:5])}"
+                )
+            if token is not None and reader.metadata.get(SAVE_KEY) != token:
+                raise self.bad(
+                    f"{file} belongs to another save than the index (a save was interrupted "
+                    "while replacing it); save again"
+                )
+        for name, file in weight_map.items():
+            info = self._files[file].tensors[name]
+            shapes[name] = (info.shape, info.dtype)
+            self._where[name] = file
+        self._shapes = shapes
+        self._description: Any = None
+
+    def __enter__(self) -> IndexReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for reader in self._files.values():
+            reader.close()
+
+    def files(self) -> dict[str, _format.FileReader]:
+        """The open shard readers, by file name, in the index's order."""
+        return dict(self._files)
+
+    def file_of(self, name: str) -> str:
+        return self._where[name]
+
+    @property
+    def has_description(self) -> bool:
+        return _format.TREE_KEY in self.metadata
+
+    @property
+    def description(self) -> Any:
+        if self._description is None:
+            text = self.metadata[_format.TREE_KEY]
+            if self.metadata.get(TREE_CHECKSUM_KEY) != _format._text_digest(text):
+                raise self.bad("its tree description fails its checksum")
+            description = _format.parse_json(text, "the tree description", self.bad)
+            infos = {
+                name: _format.TensorInfo(name, dtype, shape, 0, 0)
+                for name, (shape, dtype) in self._shapes.items()
+            }
+            _format.validate_description(description, infos, self.bad)
+            self._description = description
+        return self._description
+
+    def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return self._shapes
+
+    def read(
+        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        return self._files[self._where[name]].read(name, index, verify=verify)
+
+    def read_many(
+        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+    ) -> dict[str, np.ndarray]:
+        grouped: dict[str, list[str]] = {}
+        for name in names:
+            grouped.setdefault(self._where[name], []).append(name)
+        found: dict[str, np.ndarray] = {}
+        for file, group in grouped.items():
+            found.update(self._files[file].read_many(group, verify=verify, parallel=parallel))
+        return {name: found[name] for name in names}
+
+
+def open_layout(directory: str) -> _format.FileReader | IndexReader:
+    """The reader for a Hugging Face directory: `model.safetensors` when present (as
+    `transformers` prefers it), else the index and its shards."""
+    single = os.path.join(directory, SINGLE_NAME)
+    if os.path.isfile(single):
+        return _format.FileReader(single)
+    if os.path.lexists(os.path.join(directory, INDEX_NAME)):
+        return IndexReader(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory} is not a directory")
+    raise FileNotFoundError(f"{directory} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
+
+
+def is_layout(directory: str) -> bool:
+    return os.path.isdir(directory) and any(
+        os.path.lexists(os.path.join(directory, n)) for n in (SINGLE_NAME, INDEX_NAME)
+    )
+
+
+def load_sharded(
+    directory: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    parallel: bool = True,
+) -> Any:
+    """Loads a directory in the Hugging Face layout (written by `save_sharded`,
+    `huggingface_hub`, `transformers`' `save_pretrained(safe_serialization=True)`, or one
+    `safetensors` file named `model.safetensors`).
+
+    Matching works exactly as in `restore_checkpoint`: same `strict` rules, same errors
+    listing every mismatched leaf, and `jax.Array` / `jax.ShapeDtypeStruct` target leaves
+    come back with the target's sharding. Every shard's header is read and checked against
+    the index first; tensor data is read only from the shards that hold the tensors needed.
+
+    **Arguments:**
+
+    - `directory`: the directory holding `model.safetensors` or
+      `model.safetensors.index.json` and its shards (when both exist, `model.safetensors`
+      wins, as in `transformers`).
+    - `target`: a pytree to fill (an Equinox model, dicts...), matched by dotted key path;
+      or None. With None, a directory `save_sharded` wrote comes back as saved (nested
+      dicts, lists and tuples of NumPy arrays); one written by another tool, which has no
+      tree description, as nested dicts split on `.` (`{"layers": {"0": {"weight": ...}}}`),
+      or a flat `{name: array}` dict when the names do not nest (as `restore_checkpoint`
+      does for such files).
+    - `strict`: every array leaf of `target` must be in the directory with its shape and
+      dtype, and nothing else may be (default); with False, missing leaves keep the
+      target's value and extra tensors are ignored.
+    - `verify`: check each tensor against the checksum `save_sharded` recorded (files from
+      other tools have none).
+    - `parallel`: read large tensors with several threads.
+
+    **Returns:**
+
+    The loaded pytree.
+
+    **Raises:**
+
+    `FileNotFoundError` if neither file is there; `CheckpointFormatError` naming the file
+    for a corrupt shard or a hostile index (a file name with `/` or `..`, a tensor mapped to
+    a shard that lacks it, a shard holding tensors the index does not list, a missing
+    shard, a shard from another save); `ValueError` listing every mismatch with `target`.
+    """
+    directory = os.fspath(directory)
+    with open_layout(directory) as reader:
+        return _checkpoints._restore_from(
+            reader, target, strict=strict, parallel=parallel, verify=verify, caller="load_sharded"
+        )

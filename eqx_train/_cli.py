@@ -1,0 +1,337 @@
+"""`python -m eqx_train` / `eqx-train`: look inside checkpoints, check them, compare them,
+and convert flax checkpoints, from the shell.
+
+`inspect`, `verify` and `diff` read through the library's own readers (headers first, data
+only when asked) and never start a JAX backend: they work on a login node with no
+accelerator and start fast. Errors are one line on stderr naming the file, exit status 1
+(2 for a malformed command line, as argparse does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .checkpoints import _files, _format, _multiprocess, _names
+from .interop import _hf
+
+_METRICS_KEY = "eqx_train.metrics"
+_USER_METADATA_KEY = "eqx_train.user_metadata"
+
+
+class CommandError(Exception):
+    """A failure to report as one line on stderr, exit status 1."""
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _spec(shape: Sequence[int], dtype: np.dtype) -> str:
+    return f"{dtype}[{', '.join(str(d) for d in shape)}]"
+
+
+# ------------------------------------------------------------------------------ readers
+
+
+def _open(path: str, prefix: str) -> tuple[str, Any]:
+    """(what the path is, its reader) for a file, a `.shards` checkpoint or a Hugging Face
+    directory; ("directory", listing) for a directory of checkpoints."""
+    if not os.path.lexists(path):
+        raise CommandError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        return "single file", _format.FileReader(path)
+    if _multiprocess.is_sharded_checkpoint(path):
+        return ".shards checkpoint", _multiprocess.ShardedReader(path)
+    if _hf.is_layout(path):
+        reader = _hf.open_layout(path)
+        kind = "Hugging Face layout, " + (
+            "1 file" if isinstance(reader, _format.FileReader) else f"{len(reader.files())} shards"
+        )
+        return kind, reader
+    listing = _files.list_checkpoints(path, prefix)
+    if not listing:
+        raise CommandError(
+            f"{path}: a directory with no checkpoint in it (no {prefix}<step>.safetensors, "
+            f"{prefix}<step>.shards, {_hf.SINGLE_NAME} or {_hf.INDEX_NAME})"
+        )
+    return "directory", listing
+
+
+def _open_one(path: str, prefix: str) -> tuple[str, Any]:
+    """As `_open`, a directory of checkpoints standing for its latest one."""
+    kind, reader = _open(path, prefix)
+    if kind == "directory":
+        return _open(reader[-1].path, prefix)
+    return kind, reader
+
+
+def _piece_files(reader: Any) -> list[tuple[str, Any]]:
+    """(file path, FileReader) of every file whose tensors a reader's data lives in."""
+    if isinstance(reader, _format.FileReader):
+        return [(reader.path, reader)]
+    if isinstance(reader, _hf.IndexReader):
+        return [(os.path.join(reader.path, f), r) for f, r in reader.files().items()]
+    files = sorted({p["file"] for e in reader._arrays.values() for p in e["pieces"]})
+    return [(os.path.join(reader.path, f), reader._file(f)) for f in files]
+
+
+# ------------------------------------------------------------------------------ inspect
+
+
+def _tree_lines(arrays: dict[str, tuple[tuple[int, ...], np.dtype]]) -> list[str]:
+    """The dotted names as an indented tree, with each tensor's dtype, shape and size."""
+    rows: list[tuple[str, str, str]] = []
+    shown: set[tuple[str, ...]] = set()
+    for name, (shape, dtype) in arrays.items():
+        parts = tuple(name.split("."))
+        for depth in range(1, len(parts)):
+            if parts[:depth] not in shown:
+                shown.add(parts[:depth])
+                rows.append(("  " * (depth - 1) + parts[depth - 1], "", ""))
+        nbytes = math.prod(shape) * dtype.itemsize
+        rows.append(("  " * (len(parts) - 1) + parts[-1], _spec(shape, dtype), _size(nbytes)))
+    width = max((len(r[0]) for r in rows), default=0)
+    spec_width = max((len(r[1]) for r in rows), default=0)
+    return [f"  {a:<{width}}  {b:<{spec_width}}  {c}".rstrip() for a, b, c in rows]
+
+
+def _metadata_lines(metadata: dict[str, str]) -> list[str]:
+    lines = []
+    step = metadata.get(_format.STEP_KEY)
+    if step is not None:
+        lines.append(f"step: {step}")
+    for key, label in ((_METRICS_KEY, "metrics"), (_USER_METADATA_KEY, "metadata")):
+        if key in metadata:
+            lines.append(f"{label}: {metadata[key]}")
+    foreign = {k: v for k, v in metadata.items() if not k.startswith("eqx_train.")}
+    for key, value in foreign.items():
+        lines.append(f"metadata {key}: {_format.short(value, 200)}")
+    return lines
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    kind, reader = _open(args.path, args.prefix)
+    if kind == "directory":
+        print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
+        for entry in reader:
+            layout = ".shards" if entry.sharded else "file"
+            print(f"  step {entry.text:<10} {layout:<8} {os.path.basename(entry.path)}")
+        return 0
+    with reader:
+        arrays = reader.arrays()
+        total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
+        print(f"{args.path}: {kind}, {len(arrays)} tensors, {_size(total)}")
+        for line in _metadata_lines(reader.metadata):
+            print(line)
+        if isinstance(reader, _hf.IndexReader):
+            for file, shard in reader.files().items():
+                size = sum(info.nbytes for info in shard.tensors.values())
+                print(f"file {file}: {len(shard.tensors)} tensors, {_size(size)}")
+        print("tensors:")
+        for line in _tree_lines(arrays):
+            print(line)
+    return 0
+
+
+# ------------------------------------------------------------------------------ verify
+
+
+def _verify_reader(reader: Any) -> Iterator[str]:
+    """One line per problem; nothing when every tensor matches its checksum."""
+    unchecked = []
+    for path, file in _piece_files(reader):
+        if file.tensors and not any(info.checksum for info in file.tensors.values()):
+            unchecked.append(path)
+        for name in file.tensors:
+            try:
+                file.read(name, verify=True)
+            except _format.CheckpointFormatError as error:
+                yield str(error)
+    for path in unchecked:
+        print(f"{path}: no checksums recorded (not written by eqx_train); structure checked only")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    kind, reader = _open(args.path, args.prefix)
+    targets = [e.path for e in reader] if kind == "directory" else [args.path]
+    bad = 0
+    for path in targets:
+        try:
+            opened = reader if kind != "directory" else _open(path, args.prefix)[1]
+        except (OSError, ValueError) as error:
+            print(_one_line(error), file=sys.stderr)
+            bad += 1
+            continue
+        with opened:
+            problems = list(_verify_reader(opened))
+        for line in problems:
+            print(line, file=sys.stderr)
+        bad += bool(problems)
+        if not problems:
+            print(f"{path}: ok")
+    return 1 if bad else 0
+
+
+# ------------------------------------------------------------------------------ diff
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
+    """(number of differing elements, max |a - b|). Floats compare by their bits (-0.0
+    differs from 0.0), except that NaN equals NaN."""
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+    if a.dtype.kind in "biu":
+        differs = a != b
+    else:
+        both_nan = np.isnan(wide_a) & np.isnan(wide_b)
+        bits_a = a.reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
+        bits_b = b.reshape(-1).view(np.uint8).reshape(b.size, b.dtype.itemsize)
+        differs = (bits_a != bits_b).any(axis=1).reshape(a.shape) & ~both_nan
+    count = int(np.count_nonzero(differs))
+    if not count:
+        return 0, 0.0
+    gap = np.abs(wide_a[differs] - wide_b[differs])
+    return count, math.nan if np.isnan(gap).all() else float(np.nanmax(gap))
+
+
+def _diff(args: argparse.Namespace) -> int:
+    _, a = _open_one(args.a, args.prefix)
+    with a:
+        _, b = _open_one(args.b, args.prefix)
+        with b:
+            arrays_a, arrays_b = a.arrays(), b.arrays()
+            lines = []
+            for name, (shape, dtype) in arrays_a.items():
+                if name not in arrays_b:
+                    lines.append(f"only in A: {name} {_spec(shape, dtype)}")
+            for name, (shape, dtype) in arrays_b.items():
+                if name not in arrays_a:
+                    lines.append(f"only in B: {name} {_spec(shape, dtype)}")
+            same = 0
+            for name, (shape, dtype) in arrays_a.items():
+                if name not in arrays_b:
+                    continue
+                other = arrays_b[name]
+                if (shape, dtype) != other:
+                    lines.append(f"differs: {name} A {_spec(shape, dtype)}, B {_spec(*other)}")
+                    continue
+                va, vb = a.read(name), b.read(name)
+                count, gap = _difference(va, vb)
+                if count:
+                    lines.append(
+                        f"differs: {name} {_spec(shape, dtype)}: {count} of {va.size} elements, "
+                        f"max abs diff {gap:.6g}"
+                    )
+                else:
+                    same += 1
+    for line in lines:
+        print(line)
+    total = len(set(arrays_a) | set(arrays_b))
+    print(f"{same} of {total} tensors identical" + ("" if lines else "; A and B are identical"))
+    return 1 if lines else 0
+
+
+# ------------------------------------------------------------------------------ convert-flax
+
+
+def _flax_steps(src: str, prefix: str) -> list[tuple[str, int | float]]:
+    """(file, step) of the flax checkpoints a path stands for, oldest first."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+(?:\.\d+)?)")
+    if not os.path.lexists(src):
+        raise CommandError(f"{src}: no such file or directory")
+    if not os.path.isdir(src):
+        match = pattern.fullmatch(os.path.basename(src))
+        return [(src, _names.step_from_text(match[1]) if match else 0)]
+    found = []
+    for entry in os.listdir(src):
+        match = pattern.fullmatch(entry)
+        if match and os.path.isfile(os.path.join(src, entry)):
+            found.append((os.path.join(src, entry), _names.step_from_text(match[1])))
+    if not found:
+        raise CommandError(f"{src}: no flax checkpoint ({prefix}<step> file) in this directory")
+    return sorted(found, key=lambda item: item[1])
+
+
+def _convert_flax(args: argparse.Namespace) -> int:
+    from .checkpoints import save_checkpoint
+    from .interop import load_flax_checkpoint
+
+    found = _flax_steps(args.src, args.prefix)
+    for path, step in found:
+        tree = load_flax_checkpoint(path)
+        written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=len(found))
+        print(f"{path} -> {written}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eqx-train",
+        description="Look inside, check, compare and convert eqx_train checkpoints.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument(
+            "--prefix",
+            default="checkpoint_",
+            help="checkpoint file name prefix in directories (default: checkpoint_)",
+        )
+        return sub
+
+    sub = command(
+        "inspect",
+        "Show a checkpoint's step, metrics, metadata and tensors (reads headers only); "
+        "for a directory of checkpoints, list them.",
+    )
+    sub.add_argument("path", help="a checkpoint file, .shards or Hugging Face directory")
+    sub.set_defaults(run=_inspect)
+    sub = command("verify", "Check every tensor against its checksum; exit 1 on any mismatch.")
+    sub.add_argument("path", help="a checkpoint, or a directory of checkpoints (all checked)")
+    sub.set_defaults(run=_verify)
+    sub = command("diff", "Compare two checkpoints tensor by tensor; exit 1 if they differ.")
+    sub.add_argument("a", help="first checkpoint (a directory: its latest)")
+    sub.add_argument("b", help="second checkpoint (a directory: its latest)")
+    sub.set_defaults(run=_diff)
+    sub = command(
+        "convert-flax",
+        "Convert flax msgpack checkpoints (one file, or a directory of <prefix><step> "
+        "files) to eqx_train checkpoints in DST, keeping their steps.",
+    )
+    sub.add_argument("src", help="a flax checkpoint file or directory")
+    sub.add_argument("dst", help="the eqx_train checkpoint directory to write")
+    sub.set_defaults(run=_convert_flax)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (CommandError, OSError, ValueError, TypeError, NotImplementedError) as error:
+        print(f"eqx-train {args.command}: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

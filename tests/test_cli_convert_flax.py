@@ -1,0 +1,60 @@
+"""`eqx-train convert-flax`: flax msgpack checkpoints written by flax itself, converted to
+eqx_train checkpoints with their steps. Needs `eqx_train.interop.load_flax_checkpoint`."""
+
+import os
+
+import numpy as np
+import pytest
+
+flax_checkpoints = pytest.importorskip("flax.training.checkpoints")
+
+from eqx_train._cli import main  # noqa: E402
+from eqx_train.checkpoints import available_steps, restore_checkpoint  # noqa: E402
+from tests.helpers import assert_trees_equal  # noqa: E402
+
+# flax announces its msgpack checkpoints' deprecation on every save; these tests need them.
+pytestmark = pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated")
+
+
+def _flax_tree(scale):
+    return {
+        "params": {"dense": {"kernel": np.full((2, 3), scale, np.float32)}},
+        "count": np.int32(7),
+    }
+
+
+def _save_flax(directory, step, scale):
+    # flax's legacy msgpack path (no Orbax): what existing flax.training users have on disk.
+    before = flax_checkpoints.config.flax_use_orbax_checkpointing
+    flax_checkpoints.config.update("flax_use_orbax_checkpointing", False)
+    try:
+        return flax_checkpoints.save_checkpoint(
+            str(directory), _flax_tree(scale), step, keep=10, overwrite=True
+        )
+    finally:
+        flax_checkpoints.config.update("flax_use_orbax_checkpointing", before)
+
+
+def test_convert_flax_directory_keeps_every_step(tmp_path, capsys):
+    for step, scale in ((1, 1.0), (5, 2.0), (20, 3.0)):
+        _save_flax(tmp_path / "flax", step, scale)
+    assert main(["convert-flax", str(tmp_path / "flax"), str(tmp_path / "eqx")]) == 0
+    assert available_steps(tmp_path / "eqx") == [1, 5, 20]
+    for step, scale in ((1, 1.0), (5, 2.0), (20, 3.0)):
+        restored = restore_checkpoint(tmp_path / "eqx", None, step=step)
+        expected = flax_checkpoints.restore_checkpoint(str(tmp_path / "flax"), None, step=step)
+        assert_trees_equal(restored, expected)
+        assert restored["params"]["dense"]["kernel"][0, 0] == scale
+
+
+def test_convert_flax_single_file_takes_its_step_from_the_name(tmp_path):
+    path = _save_flax(tmp_path / "flax", 42, 1.5)
+    assert main(["convert-flax", path, str(tmp_path / "eqx")]) == 0
+    assert available_steps(tmp_path / "eqx") == [42]
+
+
+def test_convert_flax_of_a_missing_path_is_one_line_exit_1(tmp_path, capsys):
+    assert main(["convert-flax", str(tmp_path / "nope"), str(tmp_path / "eqx")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0]
+    assert not os.path.exists(tmp_path / "eqx")
