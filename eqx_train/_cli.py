@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoints import _files, _format, _multiprocess, _names
+from .checkpoints import _files, _format, _multiprocess, _names, _storage
 from .interop import _hf
+
+_LOCAL = _storage.LocalStorage()
 
 _METRICS_KEY = "eqx_train.metrics"
 _USER_METADATA_KEY = "eqx_train.user_metadata"
@@ -52,15 +54,15 @@ def _open(path: str, prefix: str) -> tuple[str, Any]:
         raise CommandError(f"{path}: no such file or directory")
     if not os.path.isdir(path):
         return "single file", _format.FileReader(path)
-    if _multiprocess.is_sharded_checkpoint(path):
-        return ".shards checkpoint", _multiprocess.ShardedReader(path)
+    if _multiprocess.is_sharded_checkpoint(_LOCAL, path):
+        return ".shards checkpoint", _multiprocess.ShardedReader(_LOCAL, path)
     if _hf.is_layout(path):
         reader = _hf.open_layout(path)
         kind = "Hugging Face layout, " + (
             "1 file" if isinstance(reader, _format.FileReader) else f"{len(reader.files())} shards"
         )
         return kind, reader
-    listing = _files.list_checkpoints(path, prefix)
+    listing = _files.list_checkpoints(_LOCAL, path, prefix)
     if not listing:
         raise CommandError(
             f"{path}: a directory with no checkpoint in it (no {prefix}<step>.safetensors, "

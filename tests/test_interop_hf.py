@@ -207,16 +207,16 @@ def test_a_new_save_removes_the_previous_saves_files_after_its_index(tmp_path):
 def test_a_crash_before_the_index_leaves_the_previous_save(tmp_path, monkeypatch):
     old = {"w": np.zeros(64, np.float32), "v": np.zeros(64, np.float32)}
     save_sharded(tmp_path, old, max_shard_size=256)
-    from eqx_train.checkpoints import _files
+    from eqx_train.checkpoints import _storage
 
-    real = _files.atomic_write
+    real = _storage.LocalStorage.atomic_write
 
-    def crash_on_index(path, write, **kwargs):
+    def crash_on_index(self, path, write, **kwargs):
         if path.endswith(INDEX):
             raise KeyboardInterrupt("killed before the index")
-        return real(path, write, **kwargs)
+        return real(self, path, write, **kwargs)
 
-    monkeypatch.setattr(_files, "atomic_write", crash_on_index)
+    monkeypatch.setattr(_storage.LocalStorage, "atomic_write", crash_on_index)
     new = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32), "c": np.ones(4)}
     with pytest.raises(KeyboardInterrupt):
         save_sharded(tmp_path, new, max_shard_size=256)

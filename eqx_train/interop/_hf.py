@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoints import _checkpoints, _files, _format, _names
+from ..checkpoints import _checkpoints, _files, _format, _names, _storage
 from ..checkpoints._format import CheckpointFormatError
 
 SINGLE_NAME = "model.safetensors"
@@ -47,6 +47,7 @@ _SIZE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+_LOCAL = _storage.LocalStorage()  # the layout lives in a local directory
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*")
 
 
@@ -167,7 +168,7 @@ def save_sharded(
     os.makedirs(directory, exist_ok=True)
     _remove_dead_temporaries(directory)
     for name, group, metadata in plans:
-        _files.atomic_write(
+        _LOCAL.atomic_write(
             os.path.join(directory, name),
             lambda fd, g=group, m=metadata: _format.write_file(fd, g, m),
         )
@@ -184,7 +185,7 @@ def save_sharded(
             "weight_map": {t.name: name for name, group, _ in plans for t in group},
         }
         raw = json.dumps(index, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
-        _files.atomic_write(
+        _LOCAL.atomic_write(
             os.path.join(directory, INDEX_NAME), lambda fd: _format.write_all(fd, memoryview(raw))
         )
     # The new save is in place: only now may the previous one's files go.
@@ -194,8 +195,8 @@ def save_sharded(
         for entry in os.listdir(directory)
         if SHARD_PATTERN.fullmatch(entry) and entry not in names
     ]
-    _files.remove_paths([os.path.join(directory, entry) for entry in stale])
-    _files.fsync_dir(directory)
+    _files.remove_paths(_LOCAL, [os.path.join(directory, entry) for entry in stale])
+    _storage.fsync_dir(directory)
 
 
 def _remove_dead_temporaries(directory: str) -> None:
@@ -206,7 +207,7 @@ def _remove_dead_temporaries(directory: str) -> None:
         temp = _names.parse_temp(entry)
         if temp is not None and (temp[0] in ours or SHARD_PATTERN.fullmatch(temp[0])):
             if _names.writer_is_dead(temp[1], temp[2]):
-                _files.remove_paths([os.path.join(directory, entry)])
+                _LOCAL.remove(os.path.join(directory, entry))
 
 
 # ------------------------------------------------------------------------------------ load
