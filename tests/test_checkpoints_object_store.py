@@ -276,3 +276,31 @@ def test_gs_urls_take_the_same_code_path_as_s3(s3_server, s3_bucket, monkeypatch
     # The object really is in the S3 bucket.
     s3 = s3fs.S3FileSystem(**options)
     assert s3.ls(f"{bucket}/run") == [f"{bucket}/run/checkpoint_7.safetensors"]
+
+
+def test_the_credentials_example_of_cloud_storage_md_runs_against_the_server(s3_server, s3_bucket):
+    """docs/cloud_storage.md's `storage_options` block, with this server's endpoint, keys
+    and bucket in place of the placeholders."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).parent.parent / "docs" / "cloud_storage.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    (block,) = [b for b in blocks if "storage_options=options" in b]
+    bucket = s3_bucket.split("://")[1]
+    code = (
+        block.replace("my-access-key", s3_server.key)
+        .replace("my-secret-key", s3_server.secret)
+        .replace("http://127.0.0.1:8333", s3_server.endpoint_url)
+        .replace("my-bucket", bucket)
+    )
+    params = {"w": np.ones((2, 3), np.float32)}
+    namespace = {"checkpoints": checkpoints, "params": params}
+    exec(compile(code, str(page), "exec"), namespace)
+    assert namespace["manager"].latest_step() == 400
+    assert_trees_equal(
+        checkpoints.restore_checkpoint(
+            s3_bucket + "/run", params, storage_options=s3_server.storage_options
+        ),
+        params,
+    )
