@@ -325,7 +325,7 @@ def _exchange(op: str, value: str, *, timeout_s: int | float, caller: str, what:
         raise BarrierTimeoutError(
             f"{caller}: the {what} {op!r} timed out: process {failure['by']} waited "
             f"{failure['timeout_s']}s and processes {missing} did not arrive.{late} A peer "
-            "probably died, hung, or did not make the same call; nothing was committed."
+            "probably died, hung, or did not make the same call."
         )
     if len(arrivals) < count:
         arrivals = _arrivals(client, arrived_dir)
