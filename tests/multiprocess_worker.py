@@ -159,18 +159,19 @@ elif mode == "peer_dies":
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
     )
     if pid == 1:
-        from eqx_train.checkpoints import _files
+        from eqx_train.checkpoints import _storage
 
         def die(*args, **kwargs):
             os._exit(3)  # killed mid-save, after the save started
 
-        _files.atomic_write = die
+        _storage.LocalStorage.atomic_write = die
     try:
         checkpoints.save_checkpoint_multiprocess(
             directory, global_tree(2, mesh_1d, P("d")), 2, timeout_s=4
         )
     except checkpoints.BarrierTimeoutError as error:
         assert "previous checkpoint is still the latest" in str(error)
+        assert "processes [1] did not arrive" in str(error), str(error)
         assert checkpoints.available_steps(directory) == [1]
         check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 1)
         print(f"OK {mode} {pid}", flush=True)

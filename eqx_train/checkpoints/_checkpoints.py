@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._tree import path_to_name
-from . import _coordination, _files, _format, _multiprocess, _names, _storage
+from . import _files, _format, _multiprocess, _names, _storage
 from ._async import AsyncManager
 
 T = TypeVar("T")
@@ -142,8 +142,7 @@ def save_pipeline(
         )
 
     if multiprocess:
-        op = _coordination.next_id("save")
-        token = _multiprocess.agree_on_token(op, timeout_s, caller)
+        token = _multiprocess.agree_on_token(timeout_s, caller)
         pieces, where = _multiprocess.plan_pieces(tensors, jax.process_index())
         if async_manager is not None:
             pieces = [_format.snapshot(p) for p in pieces]
@@ -156,7 +155,6 @@ def save_pipeline(
             _multiprocess.write_and_commit(
                 store,
                 final_path,
-                op,
                 token,
                 pieces,
                 where,

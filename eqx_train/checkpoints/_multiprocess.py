@@ -38,11 +38,12 @@ _MAX_PIECES = 1 << 20
 _COMMITTED = "committed"
 
 
-def agree_on_token(op: str, timeout_s: int | float, caller: str) -> str:
+def agree_on_token(timeout_s: int | float, caller: str) -> str:
     """A save token chosen by process 0 (it names process 0 as the writer), the same on
     every process."""
     mine = _names.new_token() if jax.process_index() == 0 else None
-    return _coordination.broadcast(f"{op}/token", mine, timeout_s=timeout_s, caller=caller)
+    op = _coordination.next_id("save_token")
+    return _coordination.broadcast(op, mine, timeout_s=timeout_s, caller=caller)
 
 
 def plan_pieces(
@@ -80,7 +81,6 @@ def plan_pieces(
 def write_and_commit(
     store: Storage,
     final_dir: str,
-    op: str,
     token: str,
     pieces: list[_format.Tensor],
     where: dict[str, dict[str, Any]],
@@ -112,7 +112,9 @@ def write_and_commit(
             failure: BaseException | None = error
         else:
             failure = None
-        statuses = _coordination.gather(f"{op}/written", status, timeout_s=timeout_s, caller=caller)
+        statuses = _coordination.gather(
+            _coordination.next_id("save_written"), status, timeout_s=timeout_s, caller=caller
+        )
         if failure is not None:
             raise failure
         failed = [f"process {i} ({s})" for i, s in enumerate(statuses) if s != "ok"]
@@ -121,10 +123,10 @@ def write_and_commit(
                 f"{caller}: the save was abandoned because {', '.join(failed)} could not "
                 "write its pieces; the previous checkpoint is still the latest."
             )
+        # Every process that got here makes this call; process 0 always answers.
+        commit_op = _coordination.next_id("save_commit")
         if process != 0:
-            outcome = _coordination.broadcast(
-                f"{op}/commit", None, timeout_s=timeout_s, caller=caller
-            )
+            outcome = _coordination.broadcast(commit_op, None, timeout_s=timeout_s, caller=caller)
             if outcome != _COMMITTED:
                 raise RuntimeError(
                     f"{caller}: process 0 did not commit this save ({outcome}); the previous "
@@ -146,24 +148,32 @@ def write_and_commit(
             )
         except BaseException as error:
             _coordination.broadcast(
-                f"{op}/commit",
+                commit_op,
                 f"{type(error).__name__}: {error}",
                 timeout_s=timeout_s,
                 caller=caller,
             )
             raise
         committed = True
-        _coordination.broadcast(f"{op}/commit", _COMMITTED, timeout_s=timeout_s, caller=caller)
-        _files.remove_replaced_pieces(
-            store, final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
-        )
-        after_commit()
-    except BaseException:
-        if not committed:
-            # This save will never commit: take back what it wrote (process 0: every
-            # process's pieces of this token), so no uncommitted litter stays behind.
-            _files.remove_paths(store, every_piece if process == 0 else [own_piece])
-            _files.remove_if_uncommitted_and_empty(store, final_dir)
+        try:
+            _files.remove_replaced_pieces(
+                store, final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
+            )
+            after_commit()
+        finally:
+            # Only now: the peers return seeing the same checkpoints as process 0.
+            _coordination.broadcast(commit_op, _COMMITTED, timeout_s=timeout_s, caller=caller)
+    except BaseException as error:
+        if committed:
+            raise
+        # This save will never commit: take back what it wrote (process 0: every
+        # process's pieces of this token), so no uncommitted litter stays behind.
+        _files.remove_paths(store, every_piece if process == 0 else [own_piece])
+        _files.remove_if_uncommitted_and_empty(store, final_dir)
+        if isinstance(error, BarrierTimeoutError):
+            raise BarrierTimeoutError(
+                f"{error} Nothing was committed: the previous checkpoint is still the latest."
+            ) from None
         raise
 
 
