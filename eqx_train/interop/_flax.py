@@ -314,7 +314,9 @@ def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
 
     def ordered(entry: Any, what: str) -> list[Any]:
         if not isinstance(entry, dict) or set(entry) != {str(i) for i in range(len(entry))}:
-            raise src.bad(f"a chunked array's {what} is not a dict keyed by the indices '0', '1' and so on")
+            raise src.bad(
+                f"a chunked array's {what} is not a dict keyed by the indices '0', '1' and so on"
+            )
         return [entry[str(i)] for i in range(len(entry))]
 
     shape = ordered(node.get("shape"), "shape")
