@@ -1,4 +1,7 @@
-"""PyTorch weights into Equinox models and back: same outputs, torch's own strict loading."""
+"""PyTorch weights into Equinox models and back: same outputs, torch's own strict loading.
+
+The PyTorch blocks of docs/interop.md run here (3.13 CI has no torch): the nn.Sequential
+key_map example and the export to a ModuleList-based module."""
 
 from __future__ import annotations
 
