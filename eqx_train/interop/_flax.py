@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ from ..checkpoints._format import (
 )
 
 _WINDOW = 1 << 20  # framing and scalars are read through a window of this many bytes
+_PIECE = 16 << 20  # array data is read in pieces of at most this many bytes...
+_PARALLEL_MIN_BYTES = 16 << 20  # ...by several threads once there is this much of it
 _MAX_SMALL_EXT = 4096  # a complex or NumPy-scalar payload is a few dozen bytes
 _MAX_DTYPE_NAME = 64
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
@@ -67,6 +70,7 @@ class _Source:
     def __init__(self, fd: int, size: int, bad: Any):
         self.fd, self.size, self.bad = fd, size, bad
         self.start, self.window = 0, b""
+        self.pending: list[tuple[int, np.ndarray]] = []
 
     def get(self, pos: int, n: int) -> bytes:
         if n < 0 or pos + n > self.size:
@@ -89,9 +93,23 @@ class _Source:
         return self.get(pos, 1)[0]
 
     def read_into(self, pos: int, out: np.ndarray) -> None:
+        """Queues reading `out.nbytes` bytes at `pos` into `out`; `finish` reads them."""
         if out.nbytes:
             flat = out.reshape(-1).view(np.uint8)
-            _pread_exact(self.fd, flat.data, pos, self.bad)
+            for at in range(0, len(flat), _PIECE):
+                self.pending.append((pos + at, flat[at : at + _PIECE]))
+
+    def finish(self) -> None:
+        """Reads every queued piece, by several threads when there is much to read: reading
+        is mostly page faults and copies, which run in parallel."""
+        pieces, self.pending = self.pending, []
+        read = lambda job: _pread_exact(self.fd, job[1].data, job[0], self.bad)
+        if len(pieces) > 1 and sum(len(p) for _, p in pieces) >= _PARALLEL_MIN_BYTES:
+            with ThreadPoolExecutor(max_workers=min(8, len(pieces))) as pool:
+                list(pool.map(read, pieces))
+        else:
+            for job in pieces:
+                read(job)
 
 
 # Sizes of the length field that follows a type byte, for str/bin/array/map/ext.
@@ -458,6 +476,8 @@ def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpo
         if info.st_size == 0:
             raise bad("it is empty")
         src = _Source(fd, info.st_size, bad)
-        return _materialize(_parse(src), src)
+        tree = _materialize(_parse(src), src)
+        src.finish()
+        return tree
     finally:
         os.close(fd)
