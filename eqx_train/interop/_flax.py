@@ -1,11 +1,483 @@
-"""Reading flax.training msgpack checkpoints without flax."""
+"""Reading flax.training msgpack checkpoints without flax.
+
+A flax checkpoint file is one msgpack object: flax's state dict of the saved tree (lists and
+tuples already turned into dicts keyed '0', '1', ...), with three extension types:
+
+- code 1, an ndarray: a msgpack array `[shape, dtype name, raw C-order bytes]`;
+- code 2, a native Python complex: a msgpack array `[real, imag]`;
+- code 3, a NumPy scalar: encoded as a 0-d ndarray.
+
+Arrays larger than flax's chunk size (1 GiB) are saved as a dict
+`{"__msgpack_chunked_array__": True, "shape": {"0": ...}, "chunks": {"0": 1-d array, ...}}`.
+
+msgpack's own decoder copies every extension payload into a new `bytes` object, which
+flax then decodes with a second copy. Here the file's framing (container headers and
+lengths) is walked directly, every scalar token is decoded by the msgpack library, and each
+array's bytes are read from the file once, straight into their final (64-byte aligned)
+buffer; the chunks of a chunked array land in one buffer with no concatenation.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import pathlib
+import re
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
+import msgpack
+import numpy as np
 
-def load_flax_checkpoint(path: str | os.PathLike[str]) -> Any:
-    """Placeholder: implemented under issue 14."""
-    raise NotImplementedError("load_flax_checkpoint is not implemented yet")
+from ..checkpoints._format import (
+    MAX_DEPTH,
+    MAX_NDIM,
+    CheckpointFormatError,
+    _pread_exact,
+    aligned_empty,
+    short,
+)
+
+_WINDOW = 1 << 20  # framing and scalars are read through a window of this many bytes
+_PIECE = 16 << 20  # array data is read in pieces of at most this many bytes...
+_PARALLEL_MIN_BYTES = 16 << 20  # ...by several threads once there is this much of it
+_MAX_SMALL_EXT = 4096  # a complex or NumPy-scalar payload is a few dozen bytes
+_MAX_DTYPE_NAME = 64
+_EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
+_CHUNKED = "__msgpack_chunked_array__"
+# flax's own rules for picking the latest file in a directory (flax.training.checkpoints).
+_SIGNED_FLOAT = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
+_ORBAX_MARKERS = ("checkpoint", "_METADATA", "manifest.ocdbt")
+_MPA_PLACEHOLDER = "//GDAPlaceholder:"
+
+
+@dataclass(frozen=True)
+class _ArrayRef:
+    """An ndarray found in the file, not yet read: where its bytes are and what they are."""
+
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+class _Source:
+    """Bytes of one open file by absolute offset, read through a small window so that walking
+    the framing costs few system calls; array data bypasses the window."""
+
+    def __init__(self, fd: int, size: int, bad: Any):
+        self.fd, self.size, self.bad = fd, size, bad
+        self.start, self.window = 0, b""
+        self.pending: list[tuple[int, np.ndarray]] = []
+
+    def get(self, pos: int, n: int) -> bytes:
+        if n < 0 or pos + n > self.size:
+            raise self.bad(
+                f"a value at byte {pos} needs {n} bytes but the file ends at byte {self.size} "
+                "(truncated)"
+            )
+        if self.start <= pos and pos + n <= self.start + len(self.window):
+            return self.window[pos - self.start : pos - self.start + n]
+        if n > _WINDOW:
+            out = bytearray(n)
+            _pread_exact(self.fd, memoryview(out), pos, self.bad)
+            return bytes(out)
+        window = bytearray(min(_WINDOW, self.size - pos))
+        _pread_exact(self.fd, memoryview(window), pos, self.bad)
+        self.start, self.window = pos, bytes(window)
+        return self.window[:n]
+
+    def byte(self, pos: int) -> int:
+        return self.get(pos, 1)[0]
+
+    def read_into(self, pos: int, out: np.ndarray) -> None:
+        """Queues reading `out.nbytes` bytes at `pos` into `out`; `finish` reads them."""
+        if out.nbytes:
+            flat = out.reshape(-1).view(np.uint8)
+            for at in range(0, len(flat), _PIECE):
+                self.pending.append((pos + at, flat[at : at + _PIECE]))
+
+    def finish(self) -> None:
+        """Reads every queued piece, by several threads when there is much to read: reading
+        is mostly page faults and copies, which run in parallel."""
+        pieces, self.pending = self.pending, []
+        read = lambda job: _pread_exact(self.fd, job[1].data, job[0], self.bad)
+        if len(pieces) > 1 and sum(len(p) for _, p in pieces) >= _PARALLEL_MIN_BYTES:
+            with ThreadPoolExecutor(max_workers=min(8, len(pieces))) as pool:
+                list(pool.map(read, pieces))
+        else:
+            for job in pieces:
+                read(job)
+
+
+# Sizes of the length field that follows a type byte, for str/bin/array/map/ext.
+_LENGTH_BYTES = {
+    0xD9: 1, 0xDA: 2, 0xDB: 4,  # str 8/16/32
+    0xC4: 1, 0xC5: 2, 0xC6: 4,  # bin 8/16/32
+    0xDC: 2, 0xDD: 4,  # array 16/32
+    0xDE: 2, 0xDF: 4,  # map 16/32
+    0xC7: 1, 0xC8: 2, 0xC9: 4,  # ext 8/16/32
+}  # fmt: skip
+_FIXED_SIZES = {  # total token size of fixed-width scalars
+    0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9,
+    0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9,
+}  # fmt: skip
+_FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
+
+
+@dataclass(frozen=True)
+class _Token:
+    """The framing of one msgpack value: its kind, where its payload starts, and its payload
+    length (bytes for scalars, str, bin, ext; element count for array and map)."""
+
+    kind: str  # "scalar", "array", "map", "ext"
+    start: int  # first byte of the token
+    body: int  # first byte after the header
+    length: int
+    ext_code: int = 0
+
+    @property
+    def end(self) -> int:  # valid for scalar and ext tokens
+        return self.body + self.length
+
+
+def _token(src: _Source, pos: int) -> _Token:
+    b = src.byte(pos)
+    if b <= 0x7F or b >= 0xE0:
+        return _Token("scalar", pos, pos, 1)
+    if 0x80 <= b <= 0x8F:
+        return _Token("map", pos, pos + 1, b & 0x0F)
+    if 0x90 <= b <= 0x9F:
+        return _Token("array", pos, pos + 1, b & 0x0F)
+    if 0xA0 <= b <= 0xBF:
+        return _Token("scalar", pos, pos, 1 + (b & 0x1F))
+    if b in _FIXED_SIZES:
+        return _Token("scalar", pos, pos, _FIXED_SIZES[b])
+    if b in _FIXEXT:
+        return _Token("ext", pos, pos + 2, _FIXEXT[b], _signed_byte(src.byte(pos + 1)))
+    if b not in _LENGTH_BYTES:
+        raise src.bad(f"byte {pos} holds 0x{b:02x}, which is not a msgpack type")
+    width = _LENGTH_BYTES[b]
+    length = int.from_bytes(src.get(pos + 1, width), "big")
+    body = pos + 1 + width
+    if b in (0xC7, 0xC8, 0xC9):
+        return _Token("ext", pos, body + 1, length, _signed_byte(src.byte(body)))
+    if b in (0xDC, 0xDD):
+        return _Token("array", pos, body, length)
+    if b in (0xDE, 0xDF):
+        return _Token("map", pos, body, length)
+    return _Token("scalar", pos, pos, body - pos + length)  # str or bin, decoded whole
+
+
+def _signed_byte(b: int) -> int:
+    return b - 256 if b >= 128 else b
+
+
+def _decode_scalar(src: _Source, token: _Token) -> Any:
+    raw = src.get(token.start, token.length)
+    # The library decodes every scalar, so values are exactly what flax's reader returns.
+    try:
+        return msgpack.unpackb(raw, raw=False)
+    except ValueError as error:  # UnicodeDecodeError is a ValueError
+        raise src.bad(f"the value at byte {token.start} does not decode ({error})") from None
+
+
+def _check_count(src: _Source, token: _Token, min_bytes_each: int) -> None:
+    # Every element takes at least one byte: a count the rest of the file cannot hold is
+    # refused before any container is built.
+    if token.length * min_bytes_each > src.size - token.body:
+        raise src.bad(
+            f"the {token.kind} at byte {token.start} declares {token.length} entries, more "
+            f"than the {src.size - token.body} bytes left in the file can hold"
+        )
+
+
+def _dtype(name: Any, src: _Source, where: int) -> np.dtype:
+    text = name.decode("ascii", "replace") if isinstance(name, bytes) else name
+    dtype = None
+    if isinstance(text, str) and len(text) <= _MAX_DTYPE_NAME and text.isidentifier():
+        try:
+            dtype = np.dtype(getattr(ml_dtypes, text)) if hasattr(ml_dtypes, text) else None
+            dtype = dtype or np.dtype(text)
+        except TypeError:
+            dtype = None
+    # Only plain numeric dtypes (and ml_dtypes' bfloat16/float8/...): a crafted name such as
+    # 'O' (Python objects) or 'U8' must never reach np.frombuffer.
+    if dtype is None or not (
+        dtype.kind in "biufc" or (dtype.type.__module__ == "ml_dtypes" and dtype.itemsize > 0)
+    ):
+        raise src.bad(f"the array at byte {where} has unsupported dtype {short(name)}")
+    return dtype
+
+
+def _ndarray(src: _Source, token: _Token) -> _ArrayRef:
+    """Parses an ndarray extension payload `[shape, dtype name, bytes]` without reading the
+    bytes."""
+    header = _token(src, token.body)
+    if header.kind != "array" or header.length != 3:
+        raise src.bad(f"the array at byte {token.start} is not [shape, dtype, data]")
+    shape_token = _token(src, header.body)
+    if shape_token.kind != "array" or shape_token.length > MAX_NDIM:
+        raise src.bad(f"the array at byte {token.start} has an invalid shape")
+    shape, pos = [], shape_token.body
+    for _ in range(shape_token.length):
+        dim_token = _token(src, pos)
+        dim = _decode_scalar(src, dim_token) if dim_token.kind == "scalar" else None
+        if type(dim) is not int or dim < 0:
+            raise src.bad(f"the array at byte {token.start} has an invalid shape entry")
+        shape.append(dim)
+        pos = dim_token.end
+    name_token = _token(src, pos)
+    name = _decode_scalar(src, name_token) if name_token.kind == "scalar" else None
+    dtype = _dtype(name, src, token.start)
+    data = _token(src, name_token.end)
+    if data.kind != "scalar" or src.byte(data.start) not in (0xC4, 0xC5, 0xC6):
+        raise src.bad(f"the array at byte {token.start} has no byte string of data")
+    width = _LENGTH_BYTES[src.byte(data.start)]
+    offset, nbytes = data.start + 1 + width, data.end - data.start - 1 - width
+    if math.prod(shape) * dtype.itemsize != nbytes or data.end != token.end:
+        raise src.bad(f"the array at byte {token.start} is {dtype}{shape} but holds {nbytes} bytes")
+    if data.end > src.size:
+        raise src.bad(f"the array at byte {token.start} runs past the end (truncated)")
+    return _ArrayRef(offset, dtype, tuple(shape))
+
+
+def _extension(src: _Source, token: _Token) -> Any:
+    if token.end > src.size:
+        raise src.bad(f"the value at byte {token.start} runs past the end (truncated)")
+    if token.ext_code == _EXT_NDARRAY:
+        return _ndarray(src, token)
+    if token.ext_code not in (_EXT_COMPLEX, _EXT_NPSCALAR):
+        raise src.bad(
+            f"byte {token.start} holds msgpack extension type {token.ext_code}; flax writes "
+            "only 1 (ndarray), 2 (complex) and 3 (NumPy scalar)"
+        )
+    if token.length > _MAX_SMALL_EXT:
+        raise src.bad(f"the scalar at byte {token.start} claims {token.length} bytes")
+    if token.ext_code == _EXT_NPSCALAR:
+        ref = _ndarray(src, token)
+        value = np.frombuffer(
+            src.get(ref.offset, math.prod(ref.shape) * ref.dtype.itemsize), ref.dtype
+        )
+        return value.reshape(ref.shape)[()]
+    try:
+        pair = msgpack.unpackb(src.get(token.body, token.length))
+        return complex(pair[0], pair[1])
+    except (ValueError, TypeError, IndexError, KeyError):
+        raise src.bad(f"the complex number at byte {token.start} is malformed") from None
+
+
+def _parse(src: _Source) -> Any:
+    """The one msgpack value the file holds, arrays left as `_ArrayRef`s. Iterative, so a
+    hostile nesting depth is refused instead of overflowing the stack."""
+    # A frame: [container, entries left, is_map, key waiting for its value]
+    stack: list[list[Any]] = []
+    pos, result, root_done = 0, None, False
+    while not root_done:
+        if len(stack) > MAX_DEPTH:
+            raise src.bad(f"it is nested more than {MAX_DEPTH} levels deep")
+        token = _token(src, pos)
+        if token.kind in ("array", "map"):
+            _check_count(src, token, 2 if token.kind == "map" else 1)
+            value: Any = {} if token.kind == "map" else []
+            pos = token.body
+            if token.length:
+                stack.append(
+                    [
+                        value,
+                        token.length * (2 if token.kind == "map" else 1),
+                        token.kind == "map",
+                        None,
+                    ]
+                )
+                continue
+        elif token.kind == "ext":
+            value = _extension(src, token)
+            pos = token.end
+        else:
+            value = _decode_scalar(src, token)
+            pos = token.end
+        # Attach `value` to its parent; close every container it completes.
+        while True:
+            if not stack:
+                result, root_done = value, True
+                break
+            frame = stack[-1]
+            container, _, is_map, key = frame
+            frame[1] -= 1
+            if not is_map:
+                container.append(value)
+            elif frame[1] % 2 == 1:  # a key: its value follows
+                try:
+                    hash(value)
+                except TypeError:
+                    raise src.bad(f"a map key at byte {token.start} is not hashable") from None
+                if isinstance(value, _ArrayRef):
+                    raise src.bad(f"a map key at byte {token.start} is an array")
+                frame[3] = value
+            else:
+                container[key] = value
+            if frame[1]:
+                break
+            value = stack.pop()[0]
+    if pos != src.size:
+        raise src.bad(f"it has {src.size - pos} bytes after its msgpack value")
+    return result
+
+
+def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
+    """The pieces of a chunked array dict, validated (flax's `_unchunk`)."""
+
+    def ordered(entry: Any, what: str) -> list[Any]:
+        if not isinstance(entry, dict) or set(entry) != {str(i) for i in range(len(entry))}:
+            raise src.bad(
+                f"a chunked array's {what} is not a dict keyed by the indices '0', '1' and so on"
+            )
+        return [entry[str(i)] for i in range(len(entry))]
+
+    shape = ordered(node.get("shape"), "shape")
+    chunks = ordered(node.get("chunks"), "chunks")
+    if (
+        len(shape) > MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
+        or not chunks
+        or not all(isinstance(c, _ArrayRef) and len(c.shape) == 1 for c in chunks)
+        or len({c.dtype for c in chunks}) != 1
+        or sum(c.shape[0] for c in chunks) != math.prod(shape)
+    ):
+        raise src.bad(
+            f"a chunked array (shape {short(shape)}) has chunks that do not make up its shape"
+        )
+    out = aligned_empty(shape, chunks[0].dtype)
+    flat, at = out.reshape(-1), 0
+    for chunk in chunks:
+        src.read_into(chunk.offset, flat[at : at + chunk.shape[0]])
+        at += chunk.shape[0]
+    return out
+
+
+def _materialize(root: Any, src: _Source) -> Any:
+    """Reads every array. Chunked arrays are joined where flax joins them: at the root and
+    at dict values reached through dicts only (flax's `_unchunk_array_leaves_in_place`)."""
+    if isinstance(root, dict) and _CHUNKED in root:
+        return _chunked(root, src)
+    if isinstance(root, _ArrayRef):
+        return _read(root, src)
+    stack: list[tuple[Any, bool]] = [(root, isinstance(root, dict))]
+    while stack:
+        current, through_dicts = stack.pop()
+        items = current.items() if isinstance(current, dict) else enumerate(current)
+        for key, value in list(items):
+            if isinstance(value, _ArrayRef):
+                current[key] = _read(value, src)
+            elif through_dicts and isinstance(value, dict) and _CHUNKED in value:
+                current[key] = _chunked(value, src)
+            elif isinstance(value, dict | list):
+                stack.append((value, through_dicts and isinstance(value, dict)))
+            elif isinstance(value, str) and value.startswith(_MPA_PLACEHOLDER):
+                raise src.bad(
+                    f"leaf {short(key)} is a multi-process array that flax's "
+                    "save_checkpoint_multiprocess wrote to a separate tensorstore directory, "
+                    "which this reader does not read"
+                )
+    return root
+
+
+def _read(ref: _ArrayRef, src: _Source) -> np.ndarray:
+    out = aligned_empty(ref.shape, ref.dtype)
+    src.read_into(ref.offset, out)
+    return out
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [float(p) if _SIGNED_FLOAT.match(p) else p for p in _SIGNED_FLOAT.split(name)]
+
+
+def _is_orbax(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, m)) for m in _ORBAX_MARKERS)
+
+
+def _orbax_error(path: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{path} is an Orbax checkpoint directory, not a flax msgpack checkpoint. Read it with "
+        "orbax.checkpoint (flax writes Orbax by default unless "
+        "flax.config.update('flax_use_orbax_checkpointing', False))."
+    )
+
+
+def _latest(directory: str, prefix: str) -> str:
+    pattern = f"{prefix}*"
+    names = [
+        name
+        for name in os.listdir(directory)
+        if pathlib.PurePath(name).match(pattern)
+        and name != f"{prefix}tmp"
+        and not name.endswith("_gda")
+        and ".orbax-checkpoint-tmp" not in name
+    ]
+    if not names:
+        raise FileNotFoundError(
+            f"load_flax_checkpoint: {directory} holds no checkpoint named '{prefix}<step>'."
+        )
+    return os.path.join(directory, max(names, key=_natural_key))
+
+
+def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpoint_") -> Any:
+    """Reads a checkpoint written by `flax.training.checkpoints.save_checkpoint`, without flax.
+
+    Returns what flax's `restore_checkpoint(path, None)` returns, bit for bit: flax's state
+    dict of the saved tree, i.e. nested dicts (lists, tuples, TrainStates and optax states all
+    became dicts keyed by field name or by '0', '1', ...) whose leaves are NumPy arrays,
+    NumPy scalars and Python scalars. Arrays are writable, 64-byte aligned and independent
+    of each other; bfloat16 and float8 arrays have ml_dtypes' dtypes.
+
+    **Arguments:**
+
+    - `path`: a checkpoint file, or a directory: then the latest file named `prefix<step>`
+      in it, picked as flax picks it.
+    - `prefix`: the file name prefix, as given to flax's `save_checkpoint`.
+
+    **Returns:**
+
+    The restored state dict.
+
+    Raises `FileNotFoundError` when there is no such file (or no checkpoint in the
+    directory), and `eqx_train.checkpoints.CheckpointFormatError`, naming the file, when it
+    is not a flax msgpack checkpoint: truncated, corrupt, an Orbax directory, or crafted
+    (unknown extension types, nesting deeper than 200, sizes larger than the file, object
+    dtypes). Nothing is allocated for a size before the file is known to hold it.
+
+    **Differences from flax:** flax returns read-only arrays that share one buffer per array
+    extension and returns `None` for a missing directory; this raises instead. Multi-process
+    arrays (flax's `save_checkpoint_multiprocess` with a tensorstore side directory) are
+    refused.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if _is_orbax(path):
+            raise _orbax_error(path)
+        path = _latest(path, prefix)
+        if os.path.isdir(path):
+            raise _orbax_error(path)
+
+    def bad(why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"load_flax_checkpoint: {path} does not exist.") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise bad("it is not a regular file")
+        if info.st_size == 0:
+            raise bad("it is empty")
+        src = _Source(fd, info.st_size, bad)
+        tree = _materialize(_parse(src), src)
+        src.finish()
+        return tree
+    finally:
+        os.close(fd)

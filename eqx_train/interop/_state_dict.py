@@ -1,27 +1,336 @@
-"""PyTorch-style state dicts: dotted names to arrays, and back into a pytree."""
+"""PyTorch-style state dicts: dotted names to arrays, and back into a pytree.
+
+Names are the ones eqx_train's checkpoint files use (`eqx_train._tree.path_to_name`), which
+are PyTorch's `state_dict` names wherever an Equinox module and its `torch.nn` counterpart
+name their fields alike.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar, overload
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import ml_dtypes
+import numpy as np
+
+from .._tree import path_to_name
+from ..checkpoints._format import is_prng_key, short
+
+_T = TypeVar("_T")
+KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
-    """Placeholder: implemented under issue 14."""
+    """What `from_state_dict(..., strict=False)` could not load.
+
+    **Fields:**
+
+    - `missing`: target names that the state dict has no entry for (those leaves keep the
+      target's values).
+    - `unexpected`: state dict names (as given, before `key_map`) that name no target leaf
+      (ignored).
+    - `mismatched`: target names whose state dict entry has another shape or dtype (those
+      leaves keep the target's values).
+
+    Each is a sorted tuple of names; all three are empty when everything loaded.
+    """
 
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
 
 
-def to_state_dict(tree: Any) -> Any:
-    """Placeholder: implemented under issue 14."""
-    raise NotImplementedError("to_state_dict is not implemented yet")
+def _is_weight(leaf: Any) -> bool:
+    # Typed PRNG keys are state, not weights; Python scalars are configuration.
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) and not (
+        is_prng_key(leaf) or jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    )
+
+
+def _named_weights(tree: Any, caller: str) -> tuple[list[tuple[str, int]], list[Any], Any]:
+    """`(name, leaf index)` for every weight leaf of `tree`, all its leaves, and its treedef."""
+    pairs, treedef = jtu.tree_flatten_with_path(tree)
+    named: list[tuple[str, int]] = []
+    seen: dict[str, int] = {}
+    for i, (path, leaf) in enumerate(pairs):
+        if not _is_weight(leaf):
+            continue
+        name = path_to_name(path)
+        if name in seen:
+            raise ValueError(
+                f"{caller}: two leaves of the tree have the name '{name}' (a key contains '.' "
+                "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
+            )
+        seen[name] = i
+        named.append((name, i))
+    return named, [leaf for _, leaf in pairs], treedef
+
+
+def _conv_bias_names(tree: Any) -> set[str]:
+    """Names of the biases of `eqx.nn.Conv` layers: Equinox stores them as (out, 1, ..., 1)
+    so that they broadcast; PyTorch as (out,)."""
+    pairs, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, eqx.nn.Conv))
+    return {
+        path_to_name((*path, jtu.GetAttrKey("bias")))
+        for path, node in pairs
+        if isinstance(node, eqx.nn.Conv) and node.bias is not None
+    }
+
+
+def to_state_dict(tree: Any) -> dict[str, np.ndarray]:
+    """The array leaves of `tree` as a flat dict from dotted names to NumPy arrays.
+
+    The names are those of eqx_train's checkpoint files (`layers.0.weight`,
+    `params.dense.kernel`). For Equinox modules whose layout agrees with PyTorch's, they are
+    the `state_dict` keys of the equivalent `torch.nn` modules, so
+    `torch_module.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})` works:
+
+    | Equinox | PyTorch | entries |
+    |---|---|---|
+    | `eqx.nn.Linear` | `nn.Linear` | `weight` (out, in), `bias` (out,) |
+    | `eqx.nn.Conv1d/2d/3d` | `nn.Conv1d/2d/3d` | `weight` (out, in/groups, *k), `bias` (out,) |
+    | `eqx.nn.LayerNorm` | `nn.LayerNorm` | `weight`, `bias` (normalized shape) |
+    | `eqx.nn.Embedding` | `nn.Embedding` | `weight` (num, dim) |
+
+    Equinox stores a convolution's bias as (out, 1, ..., 1); it is exported as (out,), as
+    PyTorch has it, and `from_state_dict` accepts either. Containers differ in name where
+    their fields do (`eqx.nn.Sequential` is `layers.0...`, `nn.Sequential` is `0...`):
+    rename with `from_state_dict`'s `key_map`.
+
+    Only weights are exported: JAX and NumPy arrays and NumPy scalars (as 0-d arrays).
+    `None`, static fields, functions, Python scalars (configuration such as a dropout rate)
+    and typed PRNG keys (`jax.random.key`) are left out.
+
+    **Arguments:**
+
+    - `tree`: any pytree (an Equinox module, a TrainState, nested dicts).
+
+    **Returns:**
+
+    A dict from names to fresh NumPy arrays (copies: mutating them does not change `tree`),
+    in the tree's flattening order. bfloat16 arrays keep ml_dtypes' `bfloat16` dtype.
+    """
+    named, leaves, _ = _named_weights(tree, "to_state_dict")
+    conv_biases = _conv_bias_names(tree)
+    out: dict[str, np.ndarray] = {}
+    for name, i in named:
+        leaf = leaves[i]
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(f"to_state_dict: leaf '{name}' is a ShapeDtypeStruct, with no data.")
+        array = np.array(leaf, copy=True)
+        if name in conv_biases:
+            array = array.reshape(-1)
+        out[name] = array
+    return out
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    # By name, so that torch is never imported for NumPy input.
+    return any(c.__module__ == "torch" and c.__name__ == "Tensor" for c in type(value).__mro__)
+
+
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
+    import torch  # only reached for a torch tensor: torch is already imported
+
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()
+    # NumPy has no bfloat16/float8: reinterpret the bits (a view, no copy) as ml_dtypes'.
+    reinterpret = {
+        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+        torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+    }
+    if tensor.dtype in reinterpret:
+        bits, dtype = reinterpret[tensor.dtype]
+        return tensor.view(bits).numpy().view(dtype)
+    return tensor.numpy()
+
+
+def _as_numpy(name: str, value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray | np.generic | jax.Array):
+        return np.asarray(value)
+    if _is_torch_tensor(value):
+        return _torch_to_numpy(value)
+    raise TypeError(
+        f"from_state_dict: state dict entry '{name}' is a {type(value).__name__}; expected a "
+        "NumPy array, a JAX array or a torch.Tensor."
+    )
+
+
+def _same_layout(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    # Shapes that differ only in size-1 axes hold the same elements in the same order
+    # (an Equinox conv bias (out, 1, 1) and PyTorch's (out,)).
+    return a == b or (
+        math.prod(a) == math.prod(b) and [d for d in a if d != 1] == [d for d in b if d != 1]
+    )
+
+
+def _renamed(
+    state_dict: Mapping[str, Any], key_map: KeyMap | None
+) -> tuple[dict[str, str], list[str]]:
+    """{target name: state dict name} after `key_map`, and the dropped state dict names."""
+    by_target: dict[str, str] = {}
+    dropped: list[str] = []
+    for source in state_dict:
+        if not isinstance(source, str):
+            raise TypeError(
+                f"from_state_dict: state dict key {short(source)} is a {type(source).__name__}; "
+                "keys must be str."
+            )
+        if key_map is None:
+            target_name: str | None = source
+        elif callable(key_map):
+            target_name = key_map(source)
+        else:
+            target_name = key_map.get(source, source)
+        if target_name is None:
+            dropped.append(source)
+            continue
+        if not isinstance(target_name, str):
+            raise TypeError(
+                f"from_state_dict: key_map maps '{source}' to {short(target_name)}; expected a "
+                "str (or None to drop the entry)."
+            )
+        if target_name in by_target:
+            raise ValueError(
+                f"from_state_dict: key_map maps both '{by_target[target_name]}' and '{source}' "
+                f"to '{target_name}'."
+            )
+        by_target[target_name] = source
+    return by_target, dropped
+
+
+def _describe(array: Any) -> str:
+    return f"{np.dtype(array.dtype)}{list(array.shape)}"
+
+
+def _fill(leaf: Any, value: np.ndarray) -> Any:
+    value = np.array(value.reshape(leaf.shape), copy=True)  # never alias the caller's memory
+    if isinstance(leaf, np.ndarray):
+        return value
+    if isinstance(leaf, np.generic):
+        return value[()]
+    sharding = getattr(leaf, "sharding", None)
+    return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+
+
+@overload
+def from_state_dict(
+    target: _T,
+    state_dict: Mapping[str, Any],
+    *,
+    key_map: KeyMap | None = None,
+    strict: Literal[True] = True,
+) -> _T: ...
+
+
+@overload
+def from_state_dict(
+    target: _T,
+    state_dict: Mapping[str, Any],
+    *,
+    key_map: KeyMap | None = None,
+    strict: Literal[False],
+) -> tuple[_T, LoadReport]: ...
+
+
+@overload
+def from_state_dict(
+    target: _T,
+    state_dict: Mapping[str, Any],
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool,
+) -> _T | tuple[_T, LoadReport]: ...
 
 
 def from_state_dict(
-    target: Any, state_dict: Any, *, key_map: Any = None, strict: bool = True
+    target: Any,
+    state_dict: Mapping[str, Any],
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
 ) -> Any:
-    """Placeholder: implemented under issue 14."""
-    raise NotImplementedError("from_state_dict is not implemented yet")
+    """`target` with its weights replaced by the entries of `state_dict`.
+
+    Every weight leaf of `target` (as `to_state_dict` names them) is looked up in
+    `state_dict` by name. Values may be NumPy arrays, JAX arrays or, where PyTorch is
+    installed, `torch.Tensor`s of any dtype NumPy or ml_dtypes has (bfloat16 and float8
+    included); tensors are converted through their buffers, never through Python lists,
+    and torch is not imported unless a value is a tensor.
+
+    Each loaded leaf keeps the target leaf's type (a JAX array stays a JAX array on the
+    target's sharding; a `jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`, becomes a
+    JAX array) and is a copy: it never shares memory with the state dict's tensors.
+    Dtypes must match exactly (no silent casts: cast the state dict first); shapes must match
+    up to size-1 axes, so PyTorch's (out,) convolution bias loads into Equinox's
+    (out, 1, 1). Typed PRNG keys, Python scalars and static fields keep the target's values.
+
+    **Arguments:**
+
+    - `target`: the pytree to fill (an Equinox model, or a template of one).
+    - `state_dict`: a mapping from names to arrays, such as PyTorch's `module.state_dict()`.
+    - `key_map`: renames state dict entries to target names: a dict (names it lacks stay as
+      they are) or a function; a name mapped to `None` is dropped. For example
+      `lambda k: "layers." + k` turns `nn.Sequential`'s `0.weight` into
+      `eqx.nn.Sequential`'s `layers.0.weight`.
+    - `strict`: with `True`, anything missing, unexpected or mismatched raises one
+      `ValueError` listing every such name; with `False`, whatever fits is loaded and a
+      `LoadReport` says what did not.
+
+    **Returns:**
+
+    The filled tree if `strict`, else `(tree, report)`.
+    """
+    named, leaves, treedef = _named_weights(target, "from_state_dict")
+    by_target, _ = _renamed(state_dict, key_map)
+    missing: list[str] = []
+    mismatched: list[str] = []
+    problems: list[str] = []
+    loaded: dict[int, Any] = {}
+    for name, i in named:
+        source = by_target.pop(name, None)
+        if source is None:
+            missing.append(name)
+            continue
+        value = _as_numpy(source, state_dict[source])
+        leaf = leaves[i]
+        shape = tuple(int(d) for d in leaf.shape)
+        if np.dtype(value.dtype) != np.dtype(leaf.dtype) or not _same_layout(value.shape, shape):
+            mismatched.append(name)
+            renamed = "" if source == name else f" (from state dict entry '{source}')"
+            problems.append(
+                f"  '{name}'{renamed}: the state dict has {_describe(value)}, the target "
+                f"{_describe(leaf)}"
+            )
+            continue
+        loaded[i] = (leaf, value)
+    unexpected = sorted(by_target.values())
+    if strict and (missing or unexpected or mismatched):
+        lines = ["from_state_dict: the state dict does not fit the target."]
+        if missing:
+            lines.append(f"Missing (in the target, not in the state dict): {', '.join(missing)}")
+        if unexpected:
+            lines.append(
+                f"Unexpected (in the state dict, not in the target): {', '.join(unexpected)}"
+            )
+        if mismatched:
+            lines.append("Mismatched shape or dtype:")
+            lines.extend(problems)
+        lines.append(
+            "Rename entries with key_map=, cast dtypes before loading, or pass strict=False "
+            "to load what fits and get a LoadReport."
+        )
+        raise ValueError("\n".join(lines))
+    new_leaves = list(leaves)
+    for i, (leaf, value) in loaded.items():
+        new_leaves[i] = _fill(leaf, value)
+    tree = jtu.tree_unflatten(treedef, new_leaves)
+    if strict:
+        return tree
+    return tree, LoadReport(tuple(sorted(missing)), tuple(unexpected), tuple(sorted(mismatched)))
