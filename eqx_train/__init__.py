@@ -6,6 +6,7 @@ from . import (
     checkpoints as checkpoints,
     common_utils as common_utils,
     dynamic_scale as dynamic_scale,
+    interop as interop,
     jax_utils as jax_utils,
     lr_schedule as lr_schedule,
 )

@@ -23,7 +23,6 @@ import math
 import os
 import pathlib
 import re
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +35,10 @@ from ..checkpoints._format import (
     MAX_DEPTH,
     MAX_NDIM,
     CheckpointFormatError,
-    _pread_exact,
     aligned_empty,
     short,
 )
+from ..checkpoints._storage import _LocalSource
 
 _WINDOW = 1 << 20  # framing and scalars are read through a window of this many bytes
 _PIECE = 16 << 20  # array data is read in pieces of at most this many bytes...
@@ -67,8 +66,8 @@ class _Source:
     """Bytes of one open file by absolute offset, read through a small window so that walking
     the framing costs few system calls; array data bypasses the window."""
 
-    def __init__(self, fd: int, size: int, bad: Any):
-        self.fd, self.size, self.bad = fd, size, bad
+    def __init__(self, file: Any, size: int, bad: Any):
+        self.file, self.size, self.bad = file, size, bad
         self.start, self.window = 0, b""
         self.pending: list[tuple[int, np.ndarray]] = []
 
@@ -82,10 +81,10 @@ class _Source:
             return self.window[pos - self.start : pos - self.start + n]
         if n > _WINDOW:
             out = bytearray(n)
-            _pread_exact(self.fd, memoryview(out), pos, self.bad)
+            self.file.read_into(memoryview(out), pos)
             return bytes(out)
         window = bytearray(min(_WINDOW, self.size - pos))
-        _pread_exact(self.fd, memoryview(window), pos, self.bad)
+        self.file.read_into(memoryview(window), pos)
         self.start, self.window = pos, bytes(window)
         return self.window[:n]
 
@@ -103,7 +102,7 @@ class _Source:
         """Reads every queued piece, by several threads when there is much to read: reading
         is mostly page faults and copies, which run in parallel."""
         pieces, self.pending = self.pending, []
-        read = lambda job: _pread_exact(self.fd, job[1].data, job[0], self.bad)
+        read = lambda job: self.file.read_into(job[1].data, job[0])
         if len(pieces) > 1 and sum(len(p) for _, p in pieces) >= _PARALLEL_MIN_BYTES:
             with ThreadPoolExecutor(max_workers=min(8, len(pieces))) as pool:
                 list(pool.map(read, pieces))
@@ -466,18 +465,15 @@ def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpo
         return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
 
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        file = _LocalSource(path, bad)  # opened without blocking; regular files only
     except FileNotFoundError:
         raise FileNotFoundError(f"load_flax_checkpoint: {path} does not exist.") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise bad("it is not a regular file")
-        if info.st_size == 0:
+        if file.size == 0:
             raise bad("it is empty")
-        src = _Source(fd, info.st_size, bad)
+        src = _Source(file, file.size, bad)
         tree = _materialize(_parse(src), src)
         src.finish()
         return tree
     finally:
-        os.close(fd)
+        file.close()

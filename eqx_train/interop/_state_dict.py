@@ -136,7 +136,7 @@ def _is_torch_tensor(value: Any) -> bool:
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
-    import torch  # only reached for a torch tensor: torch is already imported
+    import torch  # pyright: ignore[reportMissingImports]  # only reached for a torch tensor
 
     tensor = tensor.detach().cpu().resolve_conj().resolve_neg()
     # NumPy has no bfloat16/float8: reinterpret the bits (a view, no copy) as ml_dtypes'.
