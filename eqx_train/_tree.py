@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.tree_util as jtu
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from ._lazy import LazyModule
+
+    jax = LazyModule("jax")
+    jtu = LazyModule("jax.tree_util")
 
 KeyPath = tuple[Any, ...]
 

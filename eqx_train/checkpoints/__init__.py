@@ -1,21 +1,44 @@
 """Crash-safe safetensors checkpoints with `flax.training.checkpoints`' API
 (one file per step, or per-process shards)."""
 
-from ._async import AsyncManager as AsyncManager
-from ._checkpoints import (
-    available_steps as available_steps,
-    latest_checkpoint as latest_checkpoint,
-    restore_checkpoint as restore_checkpoint,
-    save_checkpoint as save_checkpoint,
-    save_checkpoint_multiprocess as save_checkpoint_multiprocess,
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
+
+if TYPE_CHECKING:
+    from ._async import AsyncManager as AsyncManager
+    from ._checkpoints import (
+        available_steps as available_steps,
+        latest_checkpoint as latest_checkpoint,
+        restore_checkpoint as restore_checkpoint,
+        save_checkpoint as save_checkpoint,
+        save_checkpoint_multiprocess as save_checkpoint_multiprocess,
+    )
+    from ._format import CheckpointFormatError as CheckpointFormatError
+    from ._legacy import convert_pre_linen as convert_pre_linen
+    from ._manager import (
+        CheckpointManager as CheckpointManager,
+        UnreadableCheckpointWarning as UnreadableCheckpointWarning,
+    )
+    from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
+
+# Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "AsyncManager": "_async",
+        "BarrierTimeoutError": "_multiprocess",
+        "CheckpointFormatError": "_format",
+        "CheckpointManager": "_manager",
+        "UnreadableCheckpointWarning": "_manager",
+        "available_steps": "_checkpoints",
+        "convert_pre_linen": "_legacy",
+        "latest_checkpoint": "_checkpoints",
+        "restore_checkpoint": "_checkpoints",
+        "save_checkpoint": "_checkpoints",
+        "save_checkpoint_multiprocess": "_checkpoints",
+    },
 )
-from ._format import CheckpointFormatError as CheckpointFormatError
-from ._legacy import convert_pre_linen as convert_pre_linen
-from ._manager import (
-    CheckpointManager as CheckpointManager,
-    UnreadableCheckpointWarning as UnreadableCheckpointWarning,
-)
-from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
 
 __all__ = [
     "AsyncManager",

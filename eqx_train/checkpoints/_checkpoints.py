@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import jax
-import jax.tree_util as jtu
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jax = LazyModule("jax")
+    jtu = LazyModule("jax.tree_util")
 
 from .._tree import path_to_name
 from . import _files, _format, _multiprocess, _names, _storage

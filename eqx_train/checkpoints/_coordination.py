@@ -51,9 +51,14 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
+if TYPE_CHECKING:
+    import jax
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jax = LazyModule("jax")
 
 
 class BarrierTimeoutError(TimeoutError):

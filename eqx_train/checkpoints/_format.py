@@ -29,10 +29,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
-import jax.tree_util as jtu
+import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    import jax.numpy as jnp
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jax = LazyModule("jax")
+    jnp = LazyModule("jax.numpy")
+    jtu = LazyModule("jax.tree_util")
 import xxhash
 
 from .._tree import path_to_name
@@ -75,11 +84,11 @@ _DTYPE_TO_CODE: dict[np.dtype, str] = {
     np.dtype(np.uint64): "U64",
     np.dtype(np.int64): "I64",
     np.dtype(np.float16): "F16",
-    np.dtype(jnp.bfloat16): "BF16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(np.float32): "F32",
     np.dtype(np.float64): "F64",
-    np.dtype(jnp.float8_e4m3fn): "F8_E4M3",
-    np.dtype(jnp.float8_e5m2): "F8_E5M2",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
 }
 CODE_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
 
@@ -191,7 +200,7 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind(
         "prng_key",
         is_prng_key,
-        jax.random.key_data,
+        lambda key: jax.random.key_data(key),
         lambda a, entry: _wrap_key(a, entry["impl"]),
         lambda leaf, a: _place(_wrap_key(a, jax.random.key_impl(leaf)), leaf),
     ),

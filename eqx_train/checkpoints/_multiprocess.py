@@ -24,10 +24,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jax = LazyModule("jax")
 
 from . import _coordination, _files, _format, _names
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError

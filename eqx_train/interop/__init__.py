@@ -1,12 +1,30 @@
 """Weights in and out of eqx_train: flax msgpack checkpoints, PyTorch-style state dicts and
 the Hugging Face sharded safetensors layout."""
 
-from ._flax import load_flax_checkpoint as load_flax_checkpoint
-from ._hf import load_sharded as load_sharded, save_sharded as save_sharded
-from ._state_dict import (
-    LoadReport as LoadReport,
-    from_state_dict as from_state_dict,
-    to_state_dict as to_state_dict,
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
+
+if TYPE_CHECKING:
+    from ._flax import load_flax_checkpoint as load_flax_checkpoint
+    from ._hf import load_sharded as load_sharded, save_sharded as save_sharded
+    from ._state_dict import (
+        LoadReport as LoadReport,
+        from_state_dict as from_state_dict,
+        to_state_dict as to_state_dict,
+    )
+
+# Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "LoadReport": "_state_dict",
+        "from_state_dict": "_state_dict",
+        "load_flax_checkpoint": "_flax",
+        "load_sharded": "_hf",
+        "save_sharded": "_hf",
+        "to_state_dict": "_state_dict",
+    },
 )
 
 __all__ = [
