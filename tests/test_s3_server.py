@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_then_sigkill
 from tests.s3_server import SeaweedS3
 
 s3fs = pytest.importorskip("s3fs")
@@ -83,6 +84,37 @@ def test_multipart_upload_is_invisible_until_it_completes(fs, s3_bucket):
 
     assert fs.cat_file(path) == data
     assert fs.list_multipart_uploads(bucket) == []
+
+
+def test_a_writer_killed_mid_upload_leaves_no_object_only_an_abortable_upload(
+    s3_server, fs, s3_bucket
+):
+    bucket = s3_bucket.removeprefix("s3://")
+    # The child prints 1 once two 5 MiB parts are on the server, then waits to be killed.
+    script = (
+        "import json, sys, time, s3fs; options, path = json.loads(sys.argv[1]);"
+        "f = s3fs.S3FileSystem(**options).open(path, 'wb', block_size=5 << 20);"
+        "f.write(b'k' * (11 << 20)); print(1, flush=True); time.sleep(600)"
+    )
+    argument = json.dumps([s3_server.storage_options, f"{bucket}/killed"])
+    run_then_sigkill(script, argument, after_line=1, delay=0)
+
+    assert fs.find(bucket) == []
+    assert [u["Key"] for u in fs.list_multipart_uploads(bucket)] == ["killed"]
+    fs.clear_multipart_uploads(bucket)
+    assert fs.list_multipart_uploads(bucket) == []
+    assert fs.find(bucket) == []
+
+
+@pytest.mark.parametrize("size", [10, 12 * MiB], ids=["single-put", "multipart"])
+def test_create_mode_refuses_to_overwrite_an_object(fs, s3_bucket, size):
+    # If-None-Match: * on PutObject and CompleteMultipartUpload: a no-clobber commit.
+    path = f"{s3_bucket.removeprefix('s3://')}/once"
+    fs.pipe_file(path, b"first")
+    with pytest.raises(OSError, match="pre-condition"):
+        fs.pipe_file(path, b"x" * size, mode="create", chunksize=5 * MiB)
+    assert fs.cat_file(path) == b"first"
+    assert fs.list_multipart_uploads(s3_bucket.removeprefix("s3://")) == []
 
 
 def test_requests_without_the_right_secret_are_refused(s3_server, s3_bucket):
