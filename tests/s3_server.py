@@ -49,8 +49,7 @@ _PORT_FLAGS = (
     "s3.port",
     "s3.port.grpc",
 )
-
-
+# Listeners with fixed default ports that the tests do not use; turned off where they exist.
 _OPTIONAL_LISTENERS = ("s3.port.iceberg", "s3.port.lance")
 
 
