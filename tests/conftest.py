@@ -23,3 +23,29 @@ def without_type_checks():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS) on 127.0.0.1, one per test session.
+
+    Yields a `tests.s3_server.SeaweedS3` with `.endpoint_url`, `.key`, `.secret`,
+    `.storage_options` (for `s3fs.S3FileSystem` / fsspec) and `.env` (the AWS variables,
+    for subprocesses). Its process is killed when the session ends, however it ends."""
+    from tests.s3_server import SeaweedS3
+
+    # Under pytest's temporary root, which pytest prunes, in case the session is killed
+    # before it can remove the data itself.
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    try:
+        yield server
+    finally:
+        server.stop(remove=True)
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket on `s3_server`, as a URL `s3://<name>`."""
+    import secrets
+
+    return s3_server.create_bucket(f"test-{secrets.token_hex(8)}")
