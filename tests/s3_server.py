@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -209,7 +210,11 @@ class SeaweedS3:
             # One new volume per bucket instead of seven: bucket creation stays fast.
             "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1",
         }
-        with open(self.log_path, "ab") as log:
+        # preexec_fn forks in Python, which JAX (once imported) warns about: the child only
+        # calls prctl before exec, which takes no lock, so the warning does not apply here.
+        with open(self.log_path, "ab") as log, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
             self.process = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
