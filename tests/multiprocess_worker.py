@@ -165,6 +165,7 @@ elif mode == "peer_dies":
             os._exit(3)  # killed mid-save, after the save started
 
         _storage.LocalStorage.atomic_write = die
+        _storage.ObjectStorage.atomic_write = die
     try:
         checkpoints.save_checkpoint_multiprocess(
             directory, global_tree(2, mesh_1d, P("d")), 2, timeout_s=4

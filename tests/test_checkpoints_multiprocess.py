@@ -12,12 +12,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 TIMEOUT_S = 90
 
 
-def _run_job(mode, count, *dirs, expected_exit=None):
+def _run_job(mode, count, *dirs, expected_exit=None, extra_env=None):
     """Runs `count` worker processes; each must print its OK line, except the processes in
     `expected_exit` ({process: exit code}), which must die with that code."""
     expected_exit = expected_exit or {}
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
     )
@@ -72,3 +73,32 @@ def test_peers_of_a_failed_commit_raise_instead_of_returning(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
         "checkpoint_1.shards"
     ]
+
+
+@pytest.mark.slow
+def test_two_processes_on_s3_save_then_restore_onto_another_mesh_and_process_count(
+    s3_server, s3_bucket
+):
+    """No shared file system: the processes meet only in the coordination service and the
+    bucket (credentials and endpoint from the standard AWS environment variables)."""
+    import s3fs
+
+    saved, back = f"{s3_bucket}/two_by_two", f"{s3_bucket}/one_by_eight"
+    _run_job("save_restore", 2, saved, extra_env=s3_server.env)
+    _run_job("reshard_to_one", 1, saved, back, extra_env=s3_server.env)
+    _run_job("reshard_back", 2, back, extra_env=s3_server.env)
+    s3 = s3fs.S3FileSystem(**s3_server.storage_options)
+    files = sorted(p.rsplit("/", 1)[1] for p in s3.find(saved.split("://")[1]))
+    # The overwrite left the index and one piece per process, all of the new save.
+    assert files[0] == "index.safetensors" and len(files) == 3, files
+
+
+@pytest.mark.slow
+def test_a_peer_dying_mid_save_to_s3_times_out_naming_it_and_commits_nothing(s3_server, s3_bucket):
+    import s3fs
+
+    _run_job("peer_dies", 2, f"{s3_bucket}/run", expected_exit={1: 3}, extra_env=s3_server.env)
+    s3 = s3fs.S3FileSystem(**s3_server.storage_options)
+    keys = [p.split("/run/", 1)[1] for p in s3.find(s3_bucket.split("://")[1])]
+    # Step 1's checkpoint only: process 0 took back its own piece of the abandoned step 2.
+    assert {k.split("/")[0] for k in keys} == {"checkpoint_1.shards"}, keys
