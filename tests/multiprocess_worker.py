@@ -133,6 +133,17 @@ elif mode == "manager":
     assert manager.metadata(4) == {"lr": 0.01, "step": 4}
     check(manager.restore(global_tree(0, mesh_1d, P("d")), step="best"), 2)
     check(manager.restore(global_tree(0, mesh_1d, P("d"))), 4)
+    # should_save: process 0 decides, every process gets its answer. Process 1's clock is
+    # skewed far ahead; were it asked, it would say yes to the time interval every time.
+    policy = checkpoints.CheckpointManager(
+        directory + "_policy", save_interval_steps=3, save_interval_seconds=3600, timeout_s=60
+    )
+    if pid == 1:
+        from eqx_train.checkpoints import _manager
+
+        _manager._clock = lambda: 1e12
+    decisions = [policy.should_save(step) for step in range(7)]
+    assert decisions == [True, False, False, True, False, False, True], decisions
 elif mode == "zero_fails":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
