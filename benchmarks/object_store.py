@@ -94,7 +94,8 @@ def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict
         return real(self, jobs)
 
     header_bytes = 8 + int.from_bytes(
-        fs.cat_file(store.strip(f"{url}/checkpoint_{repeats}.safetensors"), 0, 8), "little"
+        fs.cat_file(store.strip(f"{url}/checkpoint_{repeats}.safetensors"), start=0, end=8),
+        "little",
     )
 
     _storage._ObjectSource.read_ranges = counting  # type: ignore[method-assign]
