@@ -3,6 +3,7 @@ checkpoints hold there too (whole or nothing, listing only what is committed, re
 byte-range restores). Each test runs on `memory://` and on a real S3 server (SeaweedFS on
 127.0.0.1, started by the `s3_server` fixture)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import optax
 import pytest
 
 from eqx_train import TrainState, checkpoints
-from eqx_train.checkpoints import _format, _storage
+from eqx_train.checkpoints import _format, _names, _storage
 from tests.helpers import assert_trees_equal
 
 
@@ -197,6 +198,159 @@ def test_file_urls_are_local_paths(tmp_path):
         checkpoints.save_checkpoint("file://relative/dir", {"x": np.arange(3)}, 1)
 
 
+def test_urls_are_normalised_or_refused_with_the_reason(tmp_path, monkeypatch):
+    import pathlib
+
+    tree = {"x": np.arange(3.0)}
+    # The root of a store stays a URL; the scheme is case-insensitive.
+    root = "memory://"
+    fsspec.filesystem("memory").rm("/", recursive=True)
+    assert checkpoints.save_checkpoint(root, tree, 1) == "memory://checkpoint_1.safetensors"
+    monkeypatch.chdir(tmp_path)  # nothing may land in a local folder named "memory:"
+    with checkpoints.CheckpointManager("MEMORY:///", keep_latest=2) as manager:
+        manager.save(2, tree)
+    assert checkpoints.available_steps("memory:///") == [1, 2]
+    assert_trees_equal(checkpoints.restore_checkpoint(root, None), tree)
+    assert list(tmp_path.iterdir()) == []
+    fsspec.filesystem("memory").rm("/", recursive=True)
+    for bad, reason in [
+        ("memory://run?versionId=3", "query"),
+        ("s3://", "names no bucket"),
+        (pathlib.Path("memory://run"), "pass URLs as strings"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            checkpoints.save_checkpoint(bad, tree, 1)
+
+
+def _forget(url):
+    with contextlib.suppress(FileNotFoundError):
+        fsspec.filesystem("memory").rm(url.split("/")[2], recursive=True)
+
+
+def _hook_second_read(monkeypatch, action):
+    """Runs `action` once, just before the second byte-range read of any object: after a
+    restore has read a header, before it reads the data."""
+    real = _storage._ObjectSource.read_ranges
+    calls = []
+
+    def hooked(self, jobs):
+        calls.append(self.path)
+        if len(calls) == 2:
+            action()
+        return real(self, jobs)
+
+    monkeypatch.setattr(_storage._ObjectSource, "read_ranges", hooked)
+    return calls
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_overwrite_during_a_restore_never_mixes_two_versions(monkeypatch, verify):
+    url = f"memory://eqx-test-mix-{verify}/run"
+    n = 8192  # 32 KiB per leaf: more than the first (header) request
+    old = {"a": np.zeros(n, np.float32), "b": np.ones(n, np.float32)}
+    new = {"a": np.full(n, 7, np.float32), "b": np.full(n, 9, np.float32)}
+    checkpoints.save_checkpoint(url, old, 1)
+    calls = _hook_second_read(
+        monkeypatch, lambda: checkpoints.save_checkpoint(url, new, 1, overwrite=True)
+    )
+    restored = checkpoints.restore_checkpoint(url, old, verify=verify)
+    assert len(calls) > 2  # the header was read from the old version: the restore started over
+    assert_trees_equal(restored, new)
+    _forget(url)
+
+
+@pytest.mark.parametrize("layout", ["single", "shards"])
+@pytest.mark.parametrize("race", ["retention", "overwrite"])
+def test_a_restore_racing_a_save_returns_one_whole_checkpoint(monkeypatch, layout, race):
+    url = f"memory://eqx-test-race-{layout}-{race}/run"
+    save = (
+        checkpoints.save_checkpoint
+        if layout == "single"
+        else checkpoints.save_checkpoint_multiprocess
+    )
+    n = 8192
+    old = {"a": np.zeros(n, np.float32), "b": np.ones(n, np.float32)}
+    new = {"a": np.full(n, 5, np.float32), "b": np.full(n, 6, np.float32)}
+    save(url, old, 1)
+    if race == "retention":  # a newer step's save deletes step 1 mid-restore
+        racing = lambda: save(url, new, 2, keep=1)  # noqa: E731
+    else:  # an overwrite of step 1 replaces its files mid-restore
+        racing = lambda: save(url, new, 1, overwrite=True)  # noqa: E731
+    _hook_second_read(monkeypatch, racing)
+    assert_trees_equal(checkpoints.restore_checkpoint(url, old), new)
+    _forget(url)
+
+
+def test_a_restore_of_a_named_checkpoint_that_disappears_raises(monkeypatch):
+    url = "memory://eqx-test-vanish/run"
+    path = checkpoints.save_checkpoint(url, {"a": np.zeros(8192, np.float32)}, 1)
+    _hook_second_read(monkeypatch, lambda: fsspec.filesystem("memory").rm(path))
+    with pytest.raises(FileNotFoundError, match="checkpoint_1"):
+        checkpoints.restore_checkpoint(path, {"a": np.zeros(8192, np.float32)})
+    _forget(url)
+
+
+def test_two_saves_of_one_new_step_never_clobber_each_other(monkeypatch):
+    """Without overwrite, exactly one of two concurrent saves of a new step wins; the other
+    raises, and what is on the store is the winner's, whole."""
+    import threading
+
+    url = "memory://eqx-test-noclobber/run"
+    real = _format.write_file
+
+    def slow_write(out, *args, **kwargs):
+        both_writing.wait(timeout=10)  # both saves have passed their "is it new?" check
+        return real(out, *args, **kwargs)
+
+    both_writing = threading.Barrier(2)
+    monkeypatch.setattr(_format, "write_file", slow_write)
+    outcome: dict[float, str] = {}
+
+    def save(value):
+        try:
+            checkpoints.save_checkpoint(url, {"x": np.full(4, value)}, 5)
+            outcome[value] = "ok"
+        except ValueError as error:
+            outcome[value] = str(error)
+
+    threads = [threading.Thread(target=save, args=(v,)) for v in (1.0, 2.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [v for v, o in outcome.items() if o == "ok"]
+    assert len(winners) == 1, outcome
+    (loser,) = set(outcome) - set(winners)
+    assert "appeared" in outcome[loser] and url in outcome[loser]
+    np.testing.assert_array_equal(
+        checkpoints.restore_checkpoint(url, None)["x"], np.full(4, winners[0])
+    )
+    _forget(url)
+
+
+def test_client_errors_name_the_url(monkeypatch):
+    pytest.importorskip("s3fs")
+    for variable in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {  # a closed port: the client's own error, at once
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        "anon": True,
+    }
+    with pytest.raises(OSError, match=r"s3://bkt/run: EndpointConnectionError"):
+        checkpoints.latest_checkpoint("s3://bkt/run", storage_options=options)
+    with pytest.raises(OSError, match=r"s3://bkt/run.*EndpointConnectionError"):
+        checkpoints.restore_checkpoint("s3://bkt/run", None, storage_options=options)
+
+
+def test_multiprocess_saves_to_an_object_store_refuse_a_timeout_beyond_the_stale_limit():
+    with pytest.raises(ValueError, match="timeout_s=7200 is too long for an object store"):
+        checkpoints.save_checkpoint_multiprocess(
+            "memory://eqx-test-timeout/run", {"x": np.zeros(2)}, 1, timeout_s=7200
+        )
+
+
 # ------------------------------------------------------------------ S3 only
 
 
@@ -210,7 +364,7 @@ from eqx_train.checkpoints import _storage
 url, options = sys.argv[1], json.loads(sys.argv[2])
 _storage._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
 checkpoints.save_checkpoint(url, {"x": np.zeros(10)}, 1, storage_options=options)
-print("OLD-SAVED", flush=True)
+print("OLD-SAVED PID", os.getpid(), flush=True)
 real_upload = s3fs.core.S3File._upload_chunk
 
 def upload_then_die(self, final=False):
@@ -246,14 +400,75 @@ def test_sigkill_mid_upload_keeps_the_previous_checkpoint_and_the_next_save_clea
     pending = store.fs.list_multipart_uploads(bucket)
     # Proof that the kill landed mid-upload: a multipart upload of step 2 is open.
     assert [u["Key"] for u in pending] == ["run/checkpoint_2.safetensors"], pending
-    assert [i.name for i in store.list(url)] == ["checkpoint_1.safetensors"]
+    # Besides step 1, only the marker naming the killed upload's writer (hidden, never a
+    # checkpoint name).
+    names = sorted(i.name for i in store.list(url))
+    assert names[1] == "checkpoint_1.safetensors" and len(names) == 2, names
+    assert _names.parse_temp(names[0])[::2] == ("checkpoint_2.safetensors", child_pid(out))
     assert checkpoints.available_steps(url, storage_options=options) == [1]
     np.testing.assert_array_equal(
         checkpoints.restore_checkpoint(url, None, storage_options=options)["x"], np.zeros(10)
     )
     checkpoints.save_checkpoint(url, {"x": np.full(4, 3.0)}, 3, storage_options=options)
     assert store.fs.list_multipart_uploads(bucket) == []
+    assert [i.name for i in store.list(url)] == ["checkpoint_3.safetensors"]
     assert checkpoints.available_steps(url, storage_options=options) == [3]
+
+
+def child_pid(out: str) -> int:
+    return int(out.split("PID ")[1].split()[0])
+
+
+LIVE_UPLOAD = """
+import json, os, sys
+import numpy as np
+import s3fs.core
+from eqx_train import checkpoints
+from eqx_train.checkpoints import _storage
+
+url, options = sys.argv[1], json.loads(sys.argv[2])
+_storage._PART_BYTES = 5 << 20
+real_upload = s3fs.core.S3File._upload_chunk
+
+def upload_then_wait(self, final=False):
+    result = real_upload(self, final)
+    if len(self.parts) == 1 and not final:
+        print("PAUSED after part 1", flush=True)
+        sys.stdin.readline()  # until the test has tried to clean up
+    return result
+
+s3fs.core.S3File._upload_chunk = upload_then_wait
+checkpoints.save_checkpoint(url, {"x": np.ones(3 << 20)}, 2, keep=9, storage_options=options)
+print("SAVED", flush=True)
+"""
+
+
+def test_cleanup_never_aborts_the_upload_of_a_live_writer(s3_server, s3_bucket):
+    """A second process (an evaluator opening the run, or a save of another step) cleans up
+    killed uploads only: the live writer's half-sent upload survives and completes."""
+    import json
+
+    url, options = f"{s3_bucket}/run", s3_server.storage_options
+    checkpoints.save_checkpoint(url, {"x": np.zeros(10)}, 1, storage_options=options)
+    with subprocess.Popen(
+        [sys.executable, "-c", LIVE_UPLOAD, url, json.dumps(options)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=s3_server.env,
+    ) as writer:  # fmt: skip
+        assert writer.stdout.readline() == "PAUSED after part 1\n"
+        store, _ = _storage.resolve(url, options, caller="test")
+        bucket = s3_bucket.split("://")[1]
+        assert len(store.fs.list_multipart_uploads(bucket)) == 1  # mid-upload, for sure
+        with checkpoints.CheckpointManager(url, keep_latest=5, storage_options=options) as m:
+            m.save(3, {"x": np.zeros(10)})
+        checkpoints.save_checkpoint(url, {"x": np.zeros(10)}, 4, keep=5, storage_options=options)
+        assert len(store.fs.list_multipart_uploads(bucket)) == 1
+        writer.stdin.write("go on\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "SAVED\n"
+    assert checkpoints.available_steps(url, storage_options=options) == [1, 2, 3, 4]
+    assert sorted(i.name for i in store.list(url)) == [
+        f"checkpoint_{step}.safetensors" for step in (1, 2, 3, 4)
+    ]
 
 
 def test_gs_urls_take_the_same_code_path_as_s3(s3_server, s3_bucket, monkeypatch):

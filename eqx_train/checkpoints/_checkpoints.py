@@ -124,6 +124,14 @@ def save_pipeline(
     is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
     store, ckpt_dir = _storage.resolve(ckpt_dir, storage_options, caller=caller)
+    if multiprocess and not store.is_local and timeout_s > _files.STALE_S / 2:
+        # On an object store nobody can tell a live writer's uncommitted pieces from a dead
+        # one's but by age: other saves remove them after `STALE_S`.
+        raise ValueError(
+            f"{caller}: timeout_s={timeout_s!r} is too long for an object store; at most "
+            f"{_files.STALE_S / 2:.0f} s, since uncommitted pieces older than "
+            f"{_files.STALE_S:.0f} s count as abandoned."
+        )
     _names.check_prefix(prefix, caller)
     value = _names.check_step(step, caller)
     try:
@@ -407,20 +415,35 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
+    gone: FileNotFoundError | None = None
     for attempt in range(_RESTORE_ATTEMPTS):
-        path, listed = _resolve(store, where, step, prefix)
+        path, _ = _resolve(store, where, step, prefix)
         if path is None:
+            if gone is not None:
+                raise gone  # it was there, and went: never answer "no checkpoint" for that
             return target
         try:
-            reader = open_reader(store, path)
-        except FileNotFoundError:
-            # Retention of a concurrent save removed it after we listed it: a newer one exists.
-            if listed and attempt + 1 < _RESTORE_ATTEMPTS:
-                continue
-            raise
-        with reader:
-            return _restore_from(reader, target, strict=strict, parallel=parallel, verify=verify)
+            with open_reader(store, path) as reader:
+                return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
+        except FileNotFoundError as error:
+            # A concurrent save replaced or removed what we were reading (an overwrite of
+            # the step, or retention after a newer save): look again.
+            if attempt + 1 == _RESTORE_ATTEMPTS:
+                raise
+            gone = error
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:
+    """`_restore_from`, then proof that no file read changed meanwhile (object stores): a
+    checksum failure or a silently mixed read becomes `ObjectReplacedError`, and a retry."""
+    try:
+        restored = _restore_from(reader, target, **options)
+    except _format.CheckpointFormatError:
+        reader.check_unchanged()
+        raise
+    reader.check_unchanged()
+    return restored
 
 
 def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -216,35 +216,70 @@ def remove_leftovers(
     current: str | None = None,
 ) -> None:
     """Removes what dead writers of `prefix` left in `ckpt_dir`: temporary files of killed
-    saves (on object stores: their unfinished uploads), and in `.shards` directories the
-    pieces and temporaries of saves that never committed (or were superseded). Only names
-    this library makes, and only when the writer is known to be dead (see
-    `_writer_is_dead`). `current` (the `.shards` directory a multi-process save is about to
-    fill) is never removed, even while still empty."""
+    saves (on object stores: their unfinished uploads and the markers naming their
+    writers), and in `.shards` directories the pieces and temporaries of saves that never
+    committed (or were superseded). Only names this library makes, and only when the writer
+    is known to be dead (see `_writer_is_dead`). `current` (the `.shards` directory a
+    multi-process save is about to fill) is never removed, even while still empty."""
     pattern = _names.checkpoint_pattern(prefix)
-    store.abort_uploads(ckpt_dir, lambda key: not _is_litter(key, pattern, keep_token))
-    for item in store.list(ckpt_dir):
+    items = store.list(ckpt_dir)
+    now = time.time()
+    writers: dict[str, list[bool]] = {}  # final name -> whether each marked writer is gone
+    for item in items:
         temp = _names.parse_temp(item.name)
         if temp is not None:
             final, host, pid = temp
-            if pattern.fullmatch(final) and _names.writer_is_dead(host, pid):
-                store.remove(item.path)
+            if pattern.fullmatch(final):
+                age = None if item.modified is None else now - item.modified
+                dead = _names.writer_is_dead(host, pid) or _is_stale(store, age)
+                writers.setdefault(final, []).append(dead)
             continue
         match = pattern.fullmatch(item.name)
         if match and match["suffix"] == _names.SHARDED_SUFFIX and item.is_dir:
             if item.path != current:
                 clean_shards_dir(store, item.path, keep_token=keep_token)
+    for upload in store.unfinished_uploads(ckpt_dir):
+        if _upload_is_litter(store, upload, pattern, keep_token, writers, now):
+            store.abort_upload(ckpt_dir, upload)
+    # Markers and temporaries go after the uploads they vouch for.
+    for item in items:
+        temp = _names.parse_temp(item.name)
+        if temp is not None and pattern.fullmatch(temp[0]):
+            age = None if item.modified is None else now - item.modified
+            if _names.writer_is_dead(temp[1], temp[2]) or _is_stale(store, age):
+                store.remove(item.path)
 
 
-def _is_litter(key: str, pattern: Any, keep_token: str | None) -> bool:
-    """An unfinished upload under a checkpoint name of this prefix that is not this save's."""
-    first, _, rest = key.partition("/")
+def _upload_is_litter(
+    store: Storage,
+    upload: Any,
+    pattern: Any,
+    keep_token: str | None,
+    writers: dict[str, list[bool]],
+    now: float,
+) -> bool:
+    """Whether an unfinished upload under a checkpoint name of this prefix belongs to a
+    writer that is gone. A piece's name carries its save's token (hence its writer); a
+    single file's upload is vouched for by its writer's marker. Without any marker, only
+    age tells (a writer killed between its marker and its upload, or another tool)."""
+    first, _, rest = upload.name.partition("/")
     if not pattern.fullmatch(first):
         return False
-    if not rest:
-        return True  # a single-file checkpoint's upload: saves of one prefix run one at a time
-    parsed = _names.parse_piece_file(rest)
-    return parsed is None or not keep_token or parsed[1] != keep_token
+    age = None if upload.started is None else now - upload.started
+    if rest:
+        parsed = _names.parse_piece_file(rest)
+        if parsed is None or not parsed[1]:
+            return _is_stale(store, age)
+        token = parsed[1]
+        return token != keep_token and _writer_is_dead(store, age, token)
+    marked = writers.get(first)
+    if marked:
+        return all(marked)  # a live writer's marker: its upload may be this one
+    return _is_stale(store, age)
+
+
+def _is_stale(store: Storage, age_s: float | None) -> bool:
+    return not store.is_local and age_s is not None and age_s > STALE_S
 
 
 def referenced_pieces(store: Storage, path: str) -> set[str] | None:
@@ -268,7 +303,7 @@ def _writer_is_dead(store: Storage, item_age_s: float | None, token: str) -> boo
     ago (every wait of a multi-process save is bounded, 300 s by default)."""
     if _names.writer_is_dead(*_names.token_writer(token)):
         return True
-    return not store.is_local and item_age_s is not None and item_age_s > STALE_S
+    return _is_stale(store, item_age_s)
 
 
 STALE_S = 3600.0

@@ -678,6 +678,12 @@ class FileReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def check_unchanged(self) -> None:
+        """Raises `ObjectReplacedError` (a `FileNotFoundError`) if the file was replaced
+        since it was opened, so that what was read may mix two versions (object stores;
+        a local file is read through one descriptor and cannot change)."""
+        self.source.check_unchanged()
+
     def close(self) -> None:
         self.source.close()
 

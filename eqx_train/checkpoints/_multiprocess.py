@@ -388,6 +388,12 @@ class ShardedReader:
                 raise self.bad(f"the piece file {name} it cites is missing") from None
         return self._files[name]
 
+    def check_unchanged(self) -> None:
+        """Raises `ObjectReplacedError` if the index or a piece read was replaced since it
+        was opened (see `FileReader.check_unchanged`)."""
+        for reader in [self.index, *self._files.values()]:
+            reader.check_unchanged()
+
     def __enter__(self) -> ShardedReader:
         return self
 

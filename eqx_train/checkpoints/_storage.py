@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -46,6 +47,15 @@ class Item:
     modified: float | None = None  # seconds since the epoch, where the listing says
 
 
+@dataclass(frozen=True)
+class Upload:
+    """An upload begun and never completed (multipart, on S3): invisible, but billed."""
+
+    name: str  # the object's key relative to the directory listed: "a" or "a/b"
+    upload_id: str
+    started: float | None  # POSIX time
+
+
 @runtime_checkable
 class Source(Protocol):
     """An open file: its size, reads of byte ranges, and an identity (two opens of the same
@@ -59,6 +69,8 @@ class Source(Protocol):
     def read_into(self, view: memoryview, offset: int) -> None: ...
 
     def read_ranges(self, jobs: Sequence[tuple[memoryview, int]]) -> None: ...
+
+    def check_unchanged(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -94,7 +106,9 @@ class Storage(Protocol):
 
     def remove_dir_if_empty(self, path: str) -> None: ...
 
-    def abort_uploads(self, directory: str, keep: Callable[[str], bool]) -> None: ...
+    def unfinished_uploads(self, directory: str) -> list[Upload]: ...
+
+    def abort_upload(self, directory: str, upload: Upload) -> None: ...
 
 
 # ------------------------------------------------------------------------------------- local
@@ -132,6 +146,9 @@ class _LocalSource:
     def read_ranges(self, jobs: Sequence[tuple[memoryview, int]]) -> None:
         for view, offset in jobs:
             self.read_into(view, offset)
+
+    def check_unchanged(self) -> None:
+        """Reads through one descriptor always see one version of the file."""
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -231,8 +248,12 @@ class LocalStorage:
         with contextlib.suppress(OSError):
             os.rmdir(path)
 
-    def abort_uploads(self, directory: str, keep: Callable[[str], bool]) -> None:
+    def unfinished_uploads(self, directory: str) -> list[Upload]:
         """Local writes leave temporary files instead; `_files.remove_leftovers` handles them."""
+        return []
+
+    def abort_upload(self, directory: str, upload: Upload) -> None:
+        raise AssertionError("local storage has no uploads")  # pragma: no cover
 
 
 def _link(temp_path: str, final_path: str) -> bool:
@@ -253,8 +274,10 @@ def _link(temp_path: str, final_path: str) -> bool:
 
 class _ObjectSource:
     """An object: its size and ETag read once, then byte-range requests, several in
-    parallel. A range read that finds another version of the object (an overwrite
-    meanwhile) fails its checksum; the restore pipeline retries on the newer listing."""
+    parallel. Object stores cannot pin a version for plain range reads, so a reader calls
+    `check_unchanged` after its last read: if the object was replaced meanwhile (an
+    overwrite of the same step), it raises `ObjectReplacedError` and the restore starts
+    again on the new version."""
 
     is_local = False
 
@@ -302,20 +325,34 @@ class _ObjectSource:
             return
         fs = self._store.fs
         path = self._store.strip(self.path)
-        results = fs.cat_ranges(
-            [path] * len(spans), [s for s, _, _ in spans], [e for _, e, _ in spans]
-        )
+        with client_errors(self.path):
+            results = fs.cat_ranges(
+                [path] * len(spans), [s for s, _, _ in spans], [e for _, e, _ in spans]
+            )
+            for data in results:
+                if isinstance(data, BaseException):
+                    raise data
         for (start, end, members), data in zip(spans, results, strict=True):
-            if isinstance(data, BaseException):
-                raise data
             if len(data) != end - start:
                 raise self._bad("it ended early (truncated)")
             whole = memoryview(data)
             for offset, view in members:
                 view[:] = whole[offset - start : offset - start + len(view)]
 
+    def check_unchanged(self) -> None:
+        """Raises `ObjectReplacedError` if the object is no longer the version opened, so
+        bytes read from it may mix two versions."""
+        if self._store.identity(self.path) != self.identity:
+            raise ObjectReplacedError(
+                f"{self.path} was replaced or removed while it was being read"
+            )
+
     def close(self) -> None:
         pass
+
+
+class ObjectReplacedError(FileNotFoundError):
+    """The version of an object being read is gone (overwritten or deleted meanwhile)."""
 
 
 class ObjectStorage:
@@ -332,6 +369,8 @@ class ObjectStorage:
         return self.fs._strip_protocol(path)
 
     def join(self, directory: str, name: str) -> str:
+        if directory.endswith("://"):  # the root of a store (memory://)
+            return directory + name
         return directory.rstrip("/") + "/" + name
 
     def _url(self, stripped: str) -> str:
@@ -345,7 +384,8 @@ class ObjectStorage:
     def list(self, directory: str) -> list[Item]:
         self._fresh(directory)
         try:
-            entries = self.fs.ls(self.strip(directory), detail=True)
+            with client_errors(directory):
+                entries = self.fs.ls(self.strip(directory), detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
         base = self.strip(directory).rstrip("/")
@@ -366,7 +406,8 @@ class ObjectStorage:
     def info(self, path: str) -> dict[str, Any] | None:
         self._fresh(path)
         try:
-            return self.fs.info(self.strip(path))
+            with client_errors(path):
+                return self.fs.info(self.strip(path))
         except FileNotFoundError:
             return None
 
@@ -388,33 +429,71 @@ class ObjectStorage:
         """Uploads what `write(stream)` writes as the object `path`: it appears only when
         the upload completes, and a failed upload is aborted. With `replace=False` an
         existing object is never clobbered (`FileExistsError`): through the store's
-        conditional write where it has one, else by a check just before committing."""
+        conditional write (S3's `If-None-Match`) where the client has one, and by a check
+        just before committing in any case.
+
+        An upload big enough to go in parts first writes an empty marker object named like
+        a local temporary file (`.{name}.tmp-{host}-{pid}-{random}`), removed once the
+        upload is over: it says who is uploading, so that cleanup aborts only the
+        unfinished uploads of writers that are gone (`_files.remove_leftovers`)."""
         key = self.strip(path)
         if not replace and self.exists(path):
             raise FileExistsError(path)
         if _buffers_locally(self.fs):
             # The memory store commits a file the moment it is opened: build the bytes
-            # first, then put them in one step.
+            # first, then put them in one step (under a lock: the store lives in this
+            # process, so the check and the put are then one step for every writer).
             buffer = _Buffer()
             write(buffer)
-            if not replace and self.exists(path):
-                raise FileExistsError(path)
-            self.fs.pipe_file(key, bytes(buffer.data))
+            with _MEMORY_LOCK:
+                if not replace and self.exists(path):
+                    raise FileExistsError(path)
+                self.fs.pipe_file(key, bytes(buffer.data))
             return
-        stream = self.fs.open(key, "wb", block_size=_PART_BYTES)
+        with client_errors(path):
+            self._upload(path, key, write, replace)
+        self._fresh(path)
+
+    def _upload(self, path: str, key: str, write: Writer, replace: bool) -> None:
+        head, _, name = path.rpartition("/")
+        marker = _UploadMarker(self, f"{head}/{_names.temp_name(name)}")
+        stream = self._open_for_upload(key, replace)
         try:
-            write(stream)
+            write(_MarkedStream(stream, marker))
             if not replace and self.exists(path):
                 raise FileExistsError(path)
+            try:
+                stream.close()
+            except FileExistsError:
+                raise FileExistsError(path) from None
         except BaseException:
-            with contextlib.suppress(Exception):
-                stream.discard()
-            # A discarded file must never be closed: closing commits what was written (its
-            # finaliser would try to).
-            stream.closed = True
+            if not stream.closed:
+                with contextlib.suppress(Exception):
+                    stream.discard()
+                # A discarded file must never be closed: closing commits what was written
+                # (its finaliser would try to).
+                stream.closed = True
+            else:
+                with contextlib.suppress(Exception):  # a refused completion leaves parts
+                    self._abort_key(key, stream)
             raise
-        stream.close()
-        self._fresh(path)
+        finally:
+            marker.remove()
+
+    def _open_for_upload(self, key: str, replace: bool) -> Any:
+        if not replace:
+            with contextlib.suppress(ValueError, NotImplementedError, TypeError):
+                # "xb": the client asks the store to refuse the completion if the object
+                # exists by then (s3fs sends If-None-Match: *).
+                return self.fs.open(key, "xb", block_size=_PART_BYTES)
+        return self.fs.open(key, "wb", block_size=_PART_BYTES)
+
+    def _abort_key(self, key: str, stream: Any) -> None:
+        upload = getattr(stream, "mpu", None)
+        if upload and upload.get("UploadId"):
+            bucket, _, name = key.partition("/")
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name,
+                            UploadId=upload["UploadId"])  # fmt: skip
 
     def open(self, path: str) -> Source:
         from ._format import CheckpointFormatError
@@ -446,24 +525,42 @@ class ObjectStorage:
                 if not self.fs.ls(self.strip(path)):
                     self.fs.rmdir(self.strip(path))
 
-    def abort_uploads(self, directory: str, keep: Callable[[str], bool]) -> None:
-        """Aborts unfinished multipart uploads under `directory` whose object name `keep`
-        rejects: what a killed writer leaves on S3 (invisible, but billed)."""
-        list_uploads = getattr(self.fs, "list_multipart_uploads", None)
-        if list_uploads is None:
-            return
-        bucket, _, prefix = self.strip(directory).partition("/")
+    def unfinished_uploads(self, directory: str) -> list[Upload]:
+        """The multipart uploads begun under `directory` and never completed (S3; other
+        stores either have none or expire them themselves), every page of the listing."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return []
+        bucket, _, prefix = self.strip(directory).strip("/").partition("/")
         prefix = prefix.rstrip("/") + "/" if prefix else ""
-        try:
-            uploads = list_uploads(bucket)
-        except Exception:
-            return
-        for upload in uploads or []:
-            key = str(upload.get("Key", ""))
-            if not key.startswith(prefix) or keep(key[len(prefix) :]):
-                continue
-            with contextlib.suppress(Exception):
-                self.fs.abort_mpu(bucket, key, upload["UploadId"])
+        found: list[Upload] = []
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            except Exception:
+                return found  # cleanup is best effort: a listing error never fails a save
+            for upload in page.get("Uploads") or []:
+                key = str(upload.get("Key", ""))
+                if key.startswith(prefix) and upload.get("UploadId"):
+                    started = _timestamp(upload.get("Initiated"))
+                    found.append(Upload(key[len(prefix) :], str(upload["UploadId"]), started))
+            if not page.get("IsTruncated"):
+                return found
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker", ""),
+                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+            }
+            if not markers["KeyMarker"]:
+                return found
+
+    def abort_upload(self, directory: str, upload: Upload) -> None:
+        bucket, _, prefix = self.strip(directory).strip("/").partition("/")
+        key = (prefix.rstrip("/") + "/" if prefix else "") + upload.name
+        with contextlib.suppress(Exception):  # already completed or aborted: nothing to do
+            self.fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
+            )
 
 
 def _timestamp(value: Any) -> float | None:
@@ -474,6 +571,58 @@ def _timestamp(value: Any) -> float | None:
     if isinstance(value, datetime.datetime):
         return value.timestamp()
     return None
+
+
+_CLIENT_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google"}
+
+
+@contextlib.contextmanager
+def client_errors(url: str) -> Iterator[None]:
+    """Errors of the object-store client (botocore's `NoCredentialsError`, a refused
+    connection...) become `OSError`s that name the URL; `OSError`s pass unchanged."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as error:
+        if type(error).__module__.partition(".")[0] not in _CLIENT_MODULES:
+            raise
+        raise OSError(f"{url}: {type(error).__name__}: {error}") from error
+
+
+class _UploadMarker:
+    """The empty object that names the writer of a multipart upload in progress; written
+    just before the upload's first part, removed when the upload is over."""
+
+    def __init__(self, store: ObjectStorage, path: str):
+        self.store, self.path, self.written = store, path, False
+
+    def write(self) -> None:
+        self.store.fs.pipe_file(self.store.strip(self.path), b"")
+        self.written = True
+
+    def remove(self) -> None:
+        if self.written:
+            self.store.remove(self.path)
+
+
+class _MarkedStream:
+    """An upload stream that writes the upload's marker before the first part goes out
+    (the client starts a multipart upload once it holds `_PART_BYTES`): small uploads are
+    one request, and need no marker."""
+
+    def __init__(self, stream: Any, marker: _UploadMarker):
+        self._stream, self._marker, self._held = stream, marker, 0
+
+    def write(self, chunk: Any) -> int:
+        if not self._marker.written:
+            self._held += memoryview(chunk).nbytes
+            if self._held >= _PART_BYTES:
+                self._marker.write()
+        return self._stream.write(chunk)
+
+
+_MEMORY_LOCK = threading.Lock()
 
 
 class _Buffer:
@@ -497,6 +646,10 @@ def _buffers_locally(fs: Any) -> bool:
 _LOCAL = LocalStorage()
 
 
+_URL_SCHEMES = {*_EXTRAS, "memory", "file", "local"}
+_COLLAPSED_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
+
+
 def is_url(path: str) -> bool:
     scheme, sep, _ = path.partition("://")
     return bool(sep) and scheme.replace("+", "").replace("-", "").isalnum()
@@ -515,13 +668,27 @@ def resolve(
     if not isinstance(text, str):
         raise TypeError(f"{caller}: expected a path or URL string, got {text!r}.")
     if not is_url(text):
+        collapsed = _COLLAPSED_URL.match(text)
+        if collapsed and not isinstance(path, str) and collapsed[1].lower() in _URL_SCHEMES:
+            raise ValueError(
+                f"{caller}: {text!r} looks like a URL that pathlib collapsed ('//' became "
+                "'/'); pass URLs as strings."
+            )
         return _LOCAL, text
-    protocol = text.partition("://")[0].lower()
+    scheme, _, rest = text.partition("://")
+    protocol = scheme.lower()
     if protocol in ("file", "local"):
-        local = text.partition("://")[2]
-        if not local.startswith("/"):
+        if not rest.startswith("/"):
             raise ValueError(f"{caller}: {text!r} is not an absolute file:// URL.")
-        return _LOCAL, local
+        return _LOCAL, rest
+    if "?" in rest or "#" in rest:
+        raise ValueError(
+            f"{caller}: {text!r} has a query or fragment ('?' or '#'); checkpoint URLs are "
+            "plain locations such as s3://bucket/run (options go in storage_options=)."
+        )
+    rest = rest.rstrip("/")
+    if protocol in _EXTRAS and not rest.lstrip("/"):
+        raise ValueError(f"{caller}: {text!r} names no bucket; expected {protocol}://bucket/run.")
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a dependency
@@ -541,7 +708,7 @@ def resolve(
     if _accepts_listings_cache(cls):
         options.setdefault("use_listings_cache", False)
     fs = cls(**options)
-    return ObjectStorage(protocol, fs), text.rstrip("/")
+    return ObjectStorage(protocol, fs), f"{protocol}://{rest}"
 
 
 def _accepts_listings_cache(cls: type) -> bool:
