@@ -290,12 +290,12 @@ def test_a_restore_of_a_named_checkpoint_that_disappears_raises(monkeypatch):
     _forget(url)
 
 
-def test_two_saves_of_one_new_step_never_clobber_each_other(monkeypatch):
-    """Without overwrite, exactly one of two concurrent saves of a new step wins; the other
-    raises, and what is on the store is the winner's, whole."""
+def test_two_saves_of_one_new_step_never_clobber_each_other(location, monkeypatch):
+    """Without overwrite, exactly one of two concurrent saves of a new step wins (on S3 by
+    a conditional write); the other raises, and what is on the store is the winner's."""
     import threading
 
-    url = "memory://eqx-test-noclobber/run"
+    url, options = location
     real = _format.write_file
 
     def slow_write(out, *args, **kwargs):
@@ -308,7 +308,7 @@ def test_two_saves_of_one_new_step_never_clobber_each_other(monkeypatch):
 
     def save(value):
         try:
-            checkpoints.save_checkpoint(url, {"x": np.full(4, value)}, 5)
+            checkpoints.save_checkpoint(url, {"x": np.full(4, value)}, 5, storage_options=options)
             outcome[value] = "ok"
         except ValueError as error:
             outcome[value] = str(error)
@@ -322,10 +322,8 @@ def test_two_saves_of_one_new_step_never_clobber_each_other(monkeypatch):
     assert len(winners) == 1, outcome
     (loser,) = set(outcome) - set(winners)
     assert "appeared" in outcome[loser] and url in outcome[loser]
-    np.testing.assert_array_equal(
-        checkpoints.restore_checkpoint(url, None)["x"], np.full(4, winners[0])
-    )
-    _forget(url)
+    restored = checkpoints.restore_checkpoint(url, None, storage_options=options)
+    np.testing.assert_array_equal(restored["x"], np.full(4, winners[0]))
 
 
 def test_client_errors_name_the_url(monkeypatch):

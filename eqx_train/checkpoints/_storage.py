@@ -464,8 +464,12 @@ class ObjectStorage:
                 raise FileExistsError(path)
             try:
                 stream.close()
-            except FileExistsError:
-                raise FileExistsError(path) from None
+            except OSError:
+                # The store refused the completion: S3 answers a failed If-None-Match with
+                # "412 Precondition Failed", which clients report in various ways.
+                if not replace and self.exists(path):
+                    raise FileExistsError(path) from None
+                raise
         except BaseException:
             if not stream.closed:
                 with contextlib.suppress(Exception):
