@@ -24,7 +24,7 @@ import math
 import numbers
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -361,6 +361,19 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
         }
 
     return visit(tree, ()), tensors
+
+
+def parse_description(
+    text: str,
+    shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    bad: Callable[[str], Exception],
+) -> Any:
+    """The tree description of a layout whose tensors (`name -> (shape, dtype)`) are spread
+    over several files: parsed, and validated against those tensors."""
+    infos = {name: TensorInfo(name, dtype, shape, 0, 0) for name, (shape, dtype) in shapes.items()}
+    description = parse_json(text, "the tree description", bad)
+    validate_description(description, infos, bad)
+    return description
 
 
 def validate_description(description: Any, tensors: dict[str, TensorInfo], bad: Any) -> None:

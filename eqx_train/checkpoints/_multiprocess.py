@@ -420,15 +420,8 @@ class ShardedReader:
     @property
     def description(self) -> Any:
         if self._description is None:
-            infos = {
-                name: _format.TensorInfo(name, dtype, shape, 0, 0)
-                for name, (shape, dtype) in self._shapes.items()
-            }
-            description = _format.parse_json(
-                self.metadata.get(_format.TREE_KEY, "null"), "the tree description", self.bad
-            )
-            _format.validate_description(description, infos, self.bad)
-            self._description = description
+            text = self.metadata.get(_format.TREE_KEY, "null")
+            self._description = _format.parse_description(text, self._shapes, self.bad)
         return self._description
 
     def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

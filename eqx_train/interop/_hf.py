@@ -337,13 +337,7 @@ class IndexReader:
             text = self.metadata[_format.TREE_KEY]
             if self.metadata.get(TREE_CHECKSUM_KEY) != _format._text_digest(text):
                 raise self.bad("its tree description fails its checksum")
-            description = _format.parse_json(text, "the tree description", self.bad)
-            infos = {
-                name: _format.TensorInfo(name, dtype, shape, 0, 0)
-                for name, (shape, dtype) in self._shapes.items()
-            }
-            _format.validate_description(description, infos, self.bad)
-            self._description = description
+            self._description = _format.parse_description(text, self._shapes, self.bad)
         return self._description
 
     def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
