@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import equinox as eqx
 import fsspec
@@ -340,6 +341,34 @@ def test_client_errors_name_the_url(monkeypatch):
         checkpoints.latest_checkpoint("s3://bkt/run", storage_options=options)
     with pytest.raises(OSError, match=r"s3://bkt/run.*EndpointConnectionError"):
         checkpoints.restore_checkpoint("s3://bkt/run", None, storage_options=options)
+
+
+def test_leftovers_of_writers_on_other_hosts_go_only_after_the_stale_limit(monkeypatch):
+    """A bucket belongs to no host: an uncommitted piece or an upload marker written from
+    another machine may be a live save's, and is removed only once older than `STALE_S`."""
+    import types
+
+    from eqx_train.checkpoints import _files
+
+    url = "memory://eqx-test-stale/run"
+    fs = fsspec.filesystem("memory")
+    token = f"ffffffff-12345-{'0' * 16}"  # a writer on another host
+    piece = f"{url}/checkpoint_5.shards/process_00001.{token}.safetensors"
+    marker = f"{url}/.checkpoint_7.safetensors.tmp-{token}"
+    assert _names.parse_piece_file(piece.rsplit("/", 1)[1]) == (1, token)
+    assert _names.parse_temp(marker.rsplit("/", 1)[1]) == (
+        "checkpoint_7.safetensors", "ffffffff", 12345,
+    )  # fmt: skip
+    for key in (piece, marker):
+        fs.pipe_file(key.split("://")[1], b"")
+    checkpoints.save_checkpoint(url, {"x": np.zeros(2)}, 1)
+    assert fs.exists(piece.split("://")[1]) and fs.exists(marker.split("://")[1])
+    later = time.time() + 2 * _files.STALE_S
+    monkeypatch.setattr(_files, "time", types.SimpleNamespace(time=lambda: later))
+    checkpoints.save_checkpoint(url, {"x": np.zeros(2)}, 2)
+    assert not fs.exists(piece.split("://")[1]) and not fs.exists(marker.split("://")[1])
+    assert checkpoints.available_steps(url) == [2]
+    _forget(url)
 
 
 def test_multiprocess_saves_to_an_object_store_refuse_a_timeout_beyond_the_stale_limit():

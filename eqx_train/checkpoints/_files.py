@@ -327,8 +327,10 @@ def clean_shards_dir(store: Storage, path: str, *, keep_token: str | None) -> No
                     store.remove(item.path)
             continue
         temp = _names.parse_temp(name)
-        if temp is not None and _names.writer_is_dead(temp[1], temp[2]):
-            store.remove(item.path)
+        if temp is not None:
+            age = None if item.modified is None else now - item.modified
+            if _names.writer_is_dead(temp[1], temp[2]) or _is_stale(store, age):
+                store.remove(item.path)  # a temporary file, or an upload's marker
     remove_if_uncommitted_and_empty(store, path)
 
 
