@@ -415,12 +415,12 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
-    gone: FileNotFoundError | None = None
+    named_gone: FileNotFoundError | None = None
     for attempt in range(_RESTORE_ATTEMPTS):
-        path, _ = _resolve(store, where, step, prefix)
+        path, listed = _resolve(store, where, step, prefix)
         if path is None:
-            if gone is not None:
-                raise gone  # it was there, and went: never answer "no checkpoint" for that
+            if named_gone is not None:
+                raise named_gone  # the checkpoint named was there, and went
             return target
         try:
             with open_reader(store, path) as reader:
@@ -430,7 +430,7 @@ def restore_checkpoint(
             # the step, or retention after a newer save): look again.
             if attempt + 1 == _RESTORE_ATTEMPTS:
                 raise
-            gone = error
+            named_gone = None if listed else error
     raise AssertionError("unreachable")  # pragma: no cover
 
 

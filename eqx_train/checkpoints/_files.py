@@ -201,7 +201,10 @@ def remove_checkpoint(store: Storage, entry: Entry) -> None:
         store.remove(entry.path)
         return
     cited = referenced_pieces(store, entry.path) or set()
-    store.remove(store.join(entry.path, _names.INDEX_NAME))
+    index = store.join(entry.path, _names.INDEX_NAME)
+    store.remove(index)
+    if store.exists(index):
+        return  # still committed (the removal failed): its pieces must stay
     # Only the pieces the removed index cited: a concurrent save's new pieces are not ours.
     remove_paths(store, [store.join(entry.path, name) for name in sorted(cited)])
     clean_shards_dir(store, entry.path, keep_token=None)
@@ -222,6 +225,9 @@ def remove_leftovers(
     is known to be dead (see `_writer_is_dead`). `current` (the `.shards` directory a
     multi-process save is about to fill) is never removed, even while still empty."""
     pattern = _names.checkpoint_pattern(prefix)
+    # Uploads before markers: a writer puts its marker before it starts its upload, so every
+    # upload listed here has its marker in the listing that follows.
+    uploads = store.unfinished_uploads(ckpt_dir)
     items = store.list(ckpt_dir)
     now = time.time()
     writers: dict[str, list[bool]] = {}  # final name -> whether each marked writer is gone
@@ -231,22 +237,25 @@ def remove_leftovers(
             final, host, pid = temp
             if pattern.fullmatch(final):
                 age = None if item.modified is None else now - item.modified
-                dead = _names.writer_is_dead(host, pid) or _is_stale(store, age)
-                writers.setdefault(final, []).append(dead)
+                writers.setdefault(final, []).append(_gone(store, host, pid, age))
             continue
         match = pattern.fullmatch(item.name)
         if match and match["suffix"] == _names.SHARDED_SUFFIX and item.is_dir:
             if item.path != current:
                 clean_shards_dir(store, item.path, keep_token=keep_token)
-    for upload in store.unfinished_uploads(ckpt_dir):
+    kept = set()  # names with an upload still going (or not known to be dead)
+    for upload in uploads:
         if _upload_is_litter(store, upload, pattern, keep_token, writers, now):
             store.abort_upload(ckpt_dir, upload)
-    # Markers and temporaries go after the uploads they vouch for.
+        else:
+            kept.add(upload.name)
+    # Markers and temporaries go after the uploads they vouch for; a dead writer's marker
+    # stays while an upload of its name does, to be recognised again once that one is over.
     for item in items:
         temp = _names.parse_temp(item.name)
-        if temp is not None and pattern.fullmatch(temp[0]):
+        if temp is not None and pattern.fullmatch(temp[0]) and temp[0] not in kept:
             age = None if item.modified is None else now - item.modified
-            if _names.writer_is_dead(temp[1], temp[2]) or _is_stale(store, age):
+            if _gone(store, temp[1], temp[2], age):
                 store.remove(item.path)
 
 
@@ -278,6 +287,15 @@ def _upload_is_litter(
     return _is_stale(store, age)
 
 
+def _gone(store: Storage, host: str, pid: int, age_s: float | None) -> bool:
+    """Whether the writer `host`/`pid` of something `age_s` old is over. On this machine its
+    process says so (however long a live writer takes); a writer elsewhere is presumed gone
+    only once what it left is stale (object stores: no host owns them)."""
+    if host == _names.host_id():
+        return _names.writer_is_dead(host, pid)
+    return _is_stale(store, age_s)
+
+
 def _is_stale(store: Storage, age_s: float | None) -> bool:
     return not store.is_local and age_s is not None and age_s > STALE_S
 
@@ -301,9 +319,7 @@ def _writer_is_dead(store: Storage, item_age_s: float | None, token: str) -> boo
     process is gone. Elsewhere (object stores, which no host owns) liveness is unknowable;
     a piece that has waited `STALE_S` for its commit belongs to a save that timed out long
     ago (every wait of a multi-process save is bounded, 300 s by default)."""
-    if _names.writer_is_dead(*_names.token_writer(token)):
-        return True
-    return _is_stale(store, item_age_s)
+    return _gone(store, *_names.token_writer(token), item_age_s)
 
 
 STALE_S = 3600.0
@@ -329,7 +345,7 @@ def clean_shards_dir(store: Storage, path: str, *, keep_token: str | None) -> No
         temp = _names.parse_temp(name)
         if temp is not None:
             age = None if item.modified is None else now - item.modified
-            if _names.writer_is_dead(temp[1], temp[2]) or _is_stale(store, age):
+            if _gone(store, temp[1], temp[2], age):
                 store.remove(item.path)  # a temporary file, or an upload's marker
     remove_if_uncommitted_and_empty(store, path)
 

@@ -504,6 +504,11 @@ class CheckpointManager:
             raw = _metadata_of(self._store, path).get(_METRICS_KEY)
             metrics = json.loads(raw) if raw else None
         except (OSError, ValueError) as error:
+            if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+                if not self._store.is_local:
+                    # An unreachable store says nothing about the checkpoint: never let a
+                    # network error make retention delete the best one.
+                    raise
             warnings.warn(
                 f"CheckpointManager: cannot read the metrics of {path} ({error}); it counts "
                 "as having none.",

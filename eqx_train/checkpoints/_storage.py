@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
 import re
 import stat
@@ -351,6 +352,10 @@ class _ObjectSource:
         pass
 
 
+class _ConditionRefused(Exception):
+    """The store does not implement conditional writes (If-None-Match)."""
+
+
 class ObjectReplacedError(FileNotFoundError):
     """The version of an object being read is gone (overwritten or deleted meanwhile)."""
 
@@ -364,6 +369,7 @@ class ObjectStorage:
         self.protocol = protocol
         self.fs = fs
         self._lock = threading.Lock()
+        self._conditional = True  # until the store answers that it has no conditional writes
 
     def strip(self, path: str) -> str:
         return self.fs._strip_protocol(path)
@@ -455,20 +461,33 @@ class ObjectStorage:
         self._fresh(path)
 
     def _upload(self, path: str, key: str, write: Writer, replace: bool) -> None:
+        try:
+            self._upload_once(path, key, write, replace, not replace and self._conditional)
+        except _ConditionRefused:
+            # The store does not do conditional writes: from now on rely on the check just
+            # before completing.
+            self._conditional = False
+            self._upload_once(path, key, write, replace, False)
+
+    def _upload_once(
+        self, path: str, key: str, write: Writer, replace: bool, conditional: bool
+    ) -> None:
         head, _, name = path.rpartition("/")
         marker = _UploadMarker(self, f"{head}/{_names.temp_name(name)}")
-        stream = self._open_for_upload(key, replace)
+        stream = self._open_for_upload(key, conditional)
         try:
             write(_MarkedStream(stream, marker))
             if not replace and self.exists(path):
                 raise FileExistsError(path)
             try:
                 stream.close()
-            except OSError:
+            except OSError as error:
                 # The store refused the completion: S3 answers a failed If-None-Match with
                 # "412 Precondition Failed", which clients report in various ways.
                 if not replace and self.exists(path):
                     raise FileExistsError(path) from None
+                if conditional and error.errno in (errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise _ConditionRefused from error  # "501 Not Implemented"
                 raise
         except BaseException:
             if not stream.closed:
@@ -484,8 +503,8 @@ class ObjectStorage:
         finally:
             marker.remove()
 
-    def _open_for_upload(self, key: str, replace: bool) -> Any:
-        if not replace:
+    def _open_for_upload(self, key: str, conditional: bool) -> Any:
+        if conditional:
             with contextlib.suppress(ValueError, NotImplementedError, TypeError):
                 # "xb": the client asks the store to refuse the completion if the object
                 # exists by then (s3fs sends If-None-Match: *).
@@ -606,8 +625,11 @@ class _UploadMarker:
         self.written = True
 
     def remove(self) -> None:
+        # Best effort: a marker left behind is removed by cleanup once its writer is gone,
+        # and must neither fail a committed upload nor hide the error of a failed one.
         if self.written:
-            self.store.remove(self.path)
+            with contextlib.suppress(Exception):
+                self.store.remove(self.path)
 
 
 class _MarkedStream:
@@ -619,10 +641,12 @@ class _MarkedStream:
         self._stream, self._marker, self._held = stream, marker, 0
 
     def write(self, chunk: Any) -> int:
-        if not self._marker.written:
-            self._held += memoryview(chunk).nbytes
-            if self._held >= _PART_BYTES:
-                self._marker.write()
+        before = self._held // _PART_BYTES
+        self._held += memoryview(chunk).nbytes
+        if self._held // _PART_BYTES > before:
+            # Before each part: the marker's age is the time since the writer last made
+            # progress, so cleanup elsewhere never takes a long live upload for a dead one.
+            self._marker.write()
         return self._stream.write(chunk)
 
 
