@@ -262,7 +262,11 @@ def _flax_steps(src: str, prefix: str) -> list[tuple[str, int | float]]:
             found.append((os.path.join(src, entry), _names.step_from_text(match[1])))
     if not found:
         raise CommandError(f"{src}: no flax checkpoint ({prefix}<step> file) in this directory")
-    return sorted(found, key=lambda item: item[1])
+    found.sort(key=lambda item: item[1])
+    for (first, step), (second, other) in zip(found, found[1:], strict=False):
+        if step == other:  # checkpoint_1 and checkpoint_01: refuse before writing anything
+            raise CommandError(f"{first} and {second} are both step {step}; keep one of them")
+    return found
 
 
 def _convert_flax(args: argparse.Namespace) -> int:
@@ -271,8 +275,14 @@ def _convert_flax(args: argparse.Namespace) -> int:
 
     found = _flax_steps(args.src, args.prefix)
     for path, step in found:
-        tree = load_flax_checkpoint(path)
-        written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=len(found))
+        try:
+            tree = load_flax_checkpoint(path)
+            # Retention off: converting must never delete what DST already holds.
+            written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=2**62)
+        except (_format.CheckpointFormatError, CommandError):
+            raise
+        except (OSError, ValueError, TypeError) as error:
+            raise CommandError(f"{path}: {_one_line(error)}") from error
         print(f"{path} -> {written}")
     return 0
 

@@ -347,6 +347,7 @@ def _crafted(tmp_path, header, body=b""):
         ({"a": {"dtype": "F32", "shape": [1]}}, "malformed entry"),
         ({"a": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 4]}}, "invalid shape"),
         ({"a": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}}, "invalid shape"),
+        ({"a": {"dtype": "F32", "shape": [0, 2**61], "data_offsets": [0, 0]}}, "invalid shape"),
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, "claims bytes"),
         ({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}, "invalid shape"),
         ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, "invalid shape"),

@@ -9,7 +9,11 @@ import pytest
 flax_checkpoints = pytest.importorskip("flax.training.checkpoints")
 
 from eqx_train._cli import main  # noqa: E402
-from eqx_train.checkpoints import available_steps, restore_checkpoint  # noqa: E402
+from eqx_train.checkpoints import (  # noqa: E402
+    available_steps,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from tests.helpers import assert_trees_equal  # noqa: E402
 
 # flax announces its msgpack checkpoints' deprecation on every save; these tests need them.
@@ -51,6 +55,24 @@ def test_convert_flax_single_file_takes_its_step_from_the_name(tmp_path):
     path = _save_flax(tmp_path / "flax", 42, 1.5)
     assert main(["convert-flax", path, str(tmp_path / "eqx")]) == 0
     assert available_steps(tmp_path / "eqx") == [42]
+
+
+def test_convert_flax_never_deletes_what_the_destination_holds(tmp_path):
+    eqx_dir = tmp_path / "eqx"
+    save_checkpoint(eqx_dir, {"x": np.zeros(2)}, 0)
+    for step in (1, 2):
+        _save_flax(tmp_path / "flax", step, float(step))
+    assert main(["convert-flax", str(tmp_path / "flax"), str(eqx_dir)]) == 0
+    assert available_steps(eqx_dir) == [0, 1, 2]
+
+
+def test_convert_flax_refuses_two_files_of_one_step_before_writing(tmp_path, capsys):
+    path = _save_flax(tmp_path / "flax", 1, 1.0)
+    os.link(path, tmp_path / "flax" / "checkpoint_01")
+    assert main(["convert-flax", str(tmp_path / "flax"), str(tmp_path / "eqx")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "both step 1" in err[0]
+    assert not os.path.exists(tmp_path / "eqx")
 
 
 def test_convert_flax_of_a_missing_path_is_one_line_exit_1(tmp_path, capsys):

@@ -232,6 +232,20 @@ HOSTILE = {
         }
     ),
     "invalid utf-8 key": b"\x81\xa2\xff\xfe\x00",
+    "empty array with an impossible shape": msgpack.packb(
+        {"w": _ndarray_ext((0, 2**63), "float32", b"")}
+    ),
+    "empty chunked array with an impossible shape": msgpack.packb(
+        {
+            "a": {
+                "__msgpack_chunked_array__": True,
+                "shape": {"0": 0, "1": 2**62},
+                "chunks": {"0": _ndarray_ext((0,), "float32", b"")},
+            }
+        }
+    ),
+    "dtype name of a module attribute": msgpack.packb({"w": _ndarray_ext((2,), "_np", bytes(8))}),
+    "dtype name __builtins__": msgpack.packb({"w": _ndarray_ext((2,), "__builtins__", bytes(8))}),
 }
 
 
@@ -240,6 +254,12 @@ def test_hostile_file_raises_format_error_naming_it(tmp_path, case):
     path = _write(tmp_path, HOSTILE[case])
     with pytest.raises(CheckpointFormatError, match=f"{path} is not a flax msgpack checkpoint"):
         load_flax_checkpoint(path)
+
+
+@pytest.mark.parametrize("value", [5, None, "text", 2.5])
+def test_a_bare_scalar_at_the_root_comes_back_as_flax_returns_it(flax_checkpoints, tmp_path, value):
+    path = _write(tmp_path, msgpack.packb(value))
+    assert load_flax_checkpoint(path) == flax_checkpoints.restore_checkpoint(path, None)
 
 
 def test_every_truncation_of_a_valid_file_raises_format_error(tmp_path):

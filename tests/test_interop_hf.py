@@ -241,6 +241,52 @@ def test_shards_of_another_save_under_the_same_names_are_refused_not_mixed(tmp_p
         load_sharded(tmp_path)
 
 
+def test_replacing_another_tools_shards_never_mixes_two_saves(tmp_path, monkeypatch):
+    """huggingface_hub's index carries no save token: before shards of the same names are
+    replaced under it, it is removed, so a crash mid-save cannot leave old and new shards
+    that load as one model."""
+    from eqx_train.checkpoints import _storage
+
+    old = {"a": np.zeros(64, np.float32), "b": np.zeros(64, np.float32)}
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        key = "a" if name.startswith("model-00001") else "b"
+        safetensors.numpy.save_file({key: old[key]}, str(tmp_path / name), {"format": "pt"})
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": 512}, "weight_map": weight_map})
+    )
+    assert_trees_equal(load_sharded(tmp_path), old)
+    real = _storage.LocalStorage.atomic_write
+    written = []
+
+    def killed_after_one_shard(self, path, write, **kwargs):
+        if written:
+            raise KeyboardInterrupt("killed after the first shard")
+        written.append(path)
+        return real(self, path, write, **kwargs)
+
+    monkeypatch.setattr(_storage.LocalStorage, "atomic_write", killed_after_one_shard)
+    new = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded(tmp_path, new, max_shard_size=256)
+    monkeypatch.undo()
+    assert written == [str(tmp_path / "model-00001-of-00002.safetensors")]
+    with pytest.raises(FileNotFoundError, match="holds neither"):
+        load_sharded(tmp_path)  # no index any more: refused, never new "a" with old "b"
+    save_sharded(tmp_path, new, max_shard_size=256)  # the next save completes the switch
+    assert_trees_equal(load_sharded(tmp_path), new)
+
+
+def test_an_index_that_is_not_a_regular_file_is_refused_naming_it(tmp_path):
+    (tmp_path / INDEX).mkdir()
+    with pytest.raises(CheckpointFormatError, match=f"{INDEX}.*not a regular file"):
+        load_sharded(tmp_path)
+    (tmp_path / INDEX).rmdir()
+    os.mkfifo(tmp_path / INDEX)
+    with pytest.raises(CheckpointFormatError, match=f"{INDEX}.*not a regular file"):
+        load_sharded(tmp_path)
+
+
 def _write_index(directory, weight_map):
     (directory / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 

@@ -632,6 +632,12 @@ def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
 
+def too_big(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether NumPy would refuse to make an array of this shape even when it is empty (it
+    bounds the product of the dimensions counted as at least 1, in bytes)."""
+    return math.prod(max(d, 1) for d in shape) * max(itemsize, 1) >= 2**62
+
+
 def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts on a 64-byte boundary: XLA's CPU client then
     adopts it without a copy when it is placed on a device (`jax.device_put`)."""
@@ -757,7 +763,7 @@ class FileReader:
                 not isinstance(shape, list)
                 or len(shape) > MAX_NDIM
                 or not all(_is_count(s) for s in shape)
-                or math.prod(max(s, 1) for s in shape) >= 2**62
+                or too_big(shape, CODE_TO_DTYPE[code].itemsize)
             ):
                 raise self.bad(f"tensor {short(name)} has an invalid shape {short(shape)}")
             if not (

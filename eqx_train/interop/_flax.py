@@ -37,6 +37,7 @@ from ..checkpoints._format import (
     CheckpointFormatError,
     aligned_empty,
     short,
+    too_big,
 )
 from ..checkpoints._storage import _LocalSource
 
@@ -200,7 +201,7 @@ def _dtype(name: Any, src: _Source, where: int) -> np.dtype:
         try:
             dtype = np.dtype(getattr(ml_dtypes, text)) if hasattr(ml_dtypes, text) else None
             dtype = dtype or np.dtype(text)
-        except TypeError:
+        except (TypeError, ValueError):  # not a dtype name at all ('_np', '__builtins__')
             dtype = None
     # Only plain numeric dtypes (and ml_dtypes' bfloat16/float8/...): a crafted name such as
     # 'O' (Python objects) or 'U8' must never reach np.frombuffer.
@@ -231,6 +232,8 @@ def _ndarray(src: _Source, token: _Token) -> _ArrayRef:
     name_token = _token(src, pos)
     name = _decode_scalar(src, name_token) if name_token.kind == "scalar" else None
     dtype = _dtype(name, src, token.start)
+    if too_big(shape, dtype.itemsize):
+        raise src.bad(f"the array at byte {token.start} has an impossible shape {short(shape)}")
     data = _token(src, name_token.end)
     if data.kind != "scalar" or src.byte(data.start) not in (0xC4, 0xC5, 0xC6):
         raise src.bad(f"the array at byte {token.start} has no byte string of data")
@@ -345,6 +348,7 @@ def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
         or not all(isinstance(c, _ArrayRef) and len(c.shape) == 1 for c in chunks)
         or len({c.dtype for c in chunks}) != 1
         or sum(c.shape[0] for c in chunks) != math.prod(shape)
+        or too_big(shape, chunks[0].dtype.itemsize)
     ):
         raise src.bad(
             f"a chunked array (shape {short(shape)}) has chunks that do not make up its shape"
@@ -364,6 +368,8 @@ def _materialize(root: Any, src: _Source) -> Any:
         return _chunked(root, src)
     if isinstance(root, _ArrayRef):
         return _read(root, src)
+    if not isinstance(root, dict | list):
+        return root  # a bare scalar or string, as flax returns it
     stack: list[tuple[Any, bool]] = [(root, isinstance(root, dict))]
     while stack:
         current, through_dicts = stack.pop()
@@ -420,7 +426,9 @@ def _latest(directory: str, prefix: str) -> str:
         raise FileNotFoundError(
             f"load_flax_checkpoint: {directory} holds no checkpoint named '{prefix}<step>'."
         )
-    return os.path.join(directory, max(names, key=_natural_key))
+    # The last of the natural sort, as flax: among equal steps (checkpoint_1, checkpoint_01)
+    # the one listed last.
+    return os.path.join(directory, sorted(names, key=_natural_key)[-1])
 
 
 def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpoint_") -> Any:

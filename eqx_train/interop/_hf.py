@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,6 +168,8 @@ def save_sharded(
         _format.check_header_size(group, metadata, caller)
     os.makedirs(directory, exist_ok=True)
     _remove_dead_temporaries(directory)
+    if len(groups) > 1:
+        _uncommit_foreign_index(directory, names)
     for name, group, metadata in plans:
         _LOCAL.atomic_write(
             os.path.join(directory, name),
@@ -196,6 +199,26 @@ def save_sharded(
         if SHARD_PATTERN.fullmatch(entry) and entry not in names
     ]
     _files.remove_paths(_LOCAL, [os.path.join(directory, entry) for entry in stale])
+    _storage.fsync_dir(directory)
+
+
+def _uncommit_foreign_index(directory: str, names: Sequence[str]) -> None:
+    """Removes an index that carries no save token (another tool's, or unreadable) before
+    shards of the same names are replaced under it: nothing could then tell its old shards
+    from the new ones after a crash, and a load would mix two saves. An index of ours is
+    kept: its token makes such a mix fail loudly, naming the shard."""
+    index = os.path.join(directory, INDEX_NAME)
+    if not os.path.lexists(index):
+        return
+    if not any(os.path.lexists(os.path.join(directory, name)) for name in names):
+        return
+    try:
+        with IndexReader(directory) as reader:
+            if reader.metadata.get(SAVE_KEY):
+                return
+    except (OSError, ValueError):
+        pass
+    _LOCAL.remove(index)
     _storage.fsync_dir(directory)
 
 
@@ -252,7 +275,10 @@ class IndexReader:
         except IsADirectoryError:
             raise self.bad("it is a directory, not a file") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise self.bad("it is not a regular file")
+            size = info.st_size
             if size > _MAX_INDEX_BYTES:
                 raise self.bad(f"it has {size} bytes, more than the {_MAX_INDEX_BYTES} allowed")
             with os.fdopen(os.dup(fd), "rb") as stream:
