@@ -178,6 +178,24 @@ def test_bfloat16_tensors_load_bit_for_bit():
     assert to_state_dict(loaded)["w"].dtype == ml_dtypes.bfloat16
 
 
+@pytest.mark.parametrize(
+    "name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+)
+def test_every_float8_format_loads_bit_for_bit(name):
+    tensor = torch.tensor([0.5, 1.0, 2.0, 4.0]).to(getattr(torch, name))
+    loaded = from_state_dict({"w": np.zeros(4, getattr(ml_dtypes, name))}, {"w": tensor})
+    assert loaded["w"].dtype == getattr(ml_dtypes, name)
+    np.testing.assert_array_equal(loaded["w"].view(np.uint8), tensor.view(torch.uint8).numpy())
+
+
+def test_a_tensor_without_a_numpy_equivalent_is_refused_naming_its_entry():
+    with pytest.raises(TypeError, match=r"entry 'layers\.0\.weight' .*sparse_coo"):
+        from_state_dict(
+            {"layers": [{"weight": np.zeros((2, 2), np.float32)}]},
+            {"layers.0.weight": torch.eye(2).to_sparse()},
+        )
+
+
 def test_non_contiguous_and_grad_tracking_tensors_load_by_value():
     weight = torch.randn(4, 3, requires_grad=True)
     loaded = from_state_dict({"w": np.zeros((3, 4), np.float32)}, {"w": weight.t()})

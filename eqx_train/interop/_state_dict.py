@@ -135,6 +135,10 @@ def _is_torch_tensor(value: Any) -> bool:
     return any(c.__module__ == "torch" and c.__name__ == "Tensor" for c in type(value).__mro__)
 
 
+# torch's one-byte float formats that ml_dtypes shares (same names, same bits).
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
     import torch  # pyright: ignore[reportMissingImports]  # only reached for a torch tensor
 
@@ -142,8 +146,11 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
     # NumPy has no bfloat16/float8: reinterpret the bits (a view, no copy) as ml_dtypes'.
     reinterpret = {
         torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
-        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
-        torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+        **{
+            getattr(torch, name): (torch.uint8, getattr(ml_dtypes, name))
+            for name in _FLOAT8
+            if hasattr(torch, name) and hasattr(ml_dtypes, name)
+        },
     }
     if tensor.dtype in reinterpret:
         bits, dtype = reinterpret[tensor.dtype]
@@ -155,7 +162,13 @@ def _as_numpy(name: str, value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray | np.generic | jax.Array):
         return np.asarray(value)
     if _is_torch_tensor(value):
-        return _torch_to_numpy(value)
+        try:
+            return _torch_to_numpy(value)
+        except (TypeError, RuntimeError, NotImplementedError) as error:  # sparse, meta, complex32
+            raise TypeError(
+                f"from_state_dict: state dict entry '{name}' ({value.dtype}, layout "
+                f"{value.layout}, device {value.device}) has no NumPy equivalent: {error}"
+            ) from None
     raise TypeError(
         f"from_state_dict: state dict entry '{name}' is a {type(value).__name__}; expected a "
         "NumPy array, a JAX array or a torch.Tensor."
