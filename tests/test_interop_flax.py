@@ -256,6 +256,19 @@ def test_hostile_file_raises_format_error_naming_it(tmp_path, case):
         load_flax_checkpoint(path)
 
 
+def test_a_file_of_more_containers_than_the_limit_is_refused(tmp_path, monkeypatch):
+    """One byte of file can be a dict of hundreds of bytes: a crafted 1 MB file would take
+    gigabytes. The limit (a million) is lowered here to keep the test fast."""
+    from eqx_train.interop import _flax
+
+    monkeypatch.setattr(_flax, "_MAX_OBJECTS", 1000)
+    fine = _write(tmp_path, b"\xdc" + (999).to_bytes(2, "big") + b"\x80" * 999)
+    assert load_flax_checkpoint(fine) == [{}] * 999
+    path = _write(tmp_path, b"\xdc" + (1000).to_bytes(2, "big") + b"\x80" * 1000)
+    with pytest.raises(CheckpointFormatError, match="more than 1000 containers and arrays"):
+        load_flax_checkpoint(path)
+
+
 @pytest.mark.parametrize("value", [5, None, "text", 2.5])
 def test_a_bare_scalar_at_the_root_comes_back_as_flax_returns_it(flax_checkpoints, tmp_path, value):
     path = _write(tmp_path, msgpack.packb(value))

@@ -46,6 +46,7 @@ _PIECE = 16 << 20  # array data is read in pieces of at most this many bytes...
 _PARALLEL_MIN_BYTES = 16 << 20  # ...by several threads once there is this much of it
 _MAX_SMALL_EXT = 4096  # a complex or NumPy-scalar payload is a few dozen bytes
 _MAX_DTYPE_NAME = 64
+_MAX_OBJECTS = 1_000_000  # containers and arrays: far beyond any model's state dict
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
 # flax's own rules for picking the latest file in a directory (flax.training.checkpoints).
@@ -276,11 +277,17 @@ def _parse(src: _Source) -> Any:
     hostile nesting depth is refused instead of overflowing the stack."""
     # A frame: [container, entries left, is_map, key waiting for its value]
     stack: list[list[Any]] = []
-    pos, result, root_done = 0, None, False
+    pos, result, root_done, objects = 0, None, False, 0
     while not root_done:
         if len(stack) > MAX_DEPTH:
             raise src.bad(f"it is nested more than {MAX_DEPTH} levels deep")
         token = _token(src, pos)
+        if token.kind in ("array", "map", "ext"):
+            # A container or an array costs a few hundred bytes of Python objects but can be
+            # one byte of file: bound them, so that a small crafted file cannot take gigabytes.
+            objects += 1
+            if objects > _MAX_OBJECTS:
+                raise src.bad(f"it holds more than {_MAX_OBJECTS} containers and arrays")
         if token.kind in ("array", "map"):
             _check_count(src, token, 2 if token.kind == "map" else 1)
             value: Any = {} if token.kind == "map" else []
