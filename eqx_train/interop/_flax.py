@@ -23,6 +23,7 @@ import math
 import os
 import pathlib
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -198,11 +199,18 @@ def _check_count(src: _Source, token: _Token, min_bytes_each: int) -> None:
 def _dtype(name: Any, src: _Source, where: int) -> np.dtype:
     text = name.decode("ascii", "replace") if isinstance(name, bytes) else name
     dtype = None
-    if isinstance(text, str) and len(text) <= _MAX_DTYPE_NAME and text.isidentifier():
+    if (
+        isinstance(text, str)
+        and len(text) <= _MAX_DTYPE_NAME
+        and text.isidentifier()
+        and not text.startswith("_")  # '_np', '__builtins__': attributes, never dtype names
+    ):
         try:
-            dtype = np.dtype(getattr(ml_dtypes, text)) if hasattr(ml_dtypes, text) else None
-            dtype = dtype or np.dtype(text)
-        except (TypeError, ValueError):  # not a dtype name at all ('_np', '__builtins__')
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # NumPy only warns about some odd names
+                dtype = np.dtype(getattr(ml_dtypes, text)) if hasattr(ml_dtypes, text) else None
+                dtype = dtype or np.dtype(text)
+        except (TypeError, ValueError, Warning):
             dtype = None
     # Only plain numeric dtypes (and ml_dtypes' bfloat16/float8/...): a crafted name such as
     # 'O' (Python objects) or 'U8' must never reach np.frombuffer.
