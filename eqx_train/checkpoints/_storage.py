@@ -368,7 +368,6 @@ class ObjectStorage:
     def __init__(self, protocol: str, fs: Any):
         self.protocol = protocol
         self.fs = fs
-        self._lock = threading.Lock()
         self._conditional = True  # until the store answers that it has no conditional writes
 
     def strip(self, path: str) -> str:
@@ -378,9 +377,6 @@ class ObjectStorage:
         if directory.endswith("://"):  # the root of a store (memory://)
             return directory + name
         return directory.rstrip("/") + "/" + name
-
-    def _url(self, stripped: str) -> str:
-        return f"{self.protocol}://{stripped.lstrip('/')}"
 
     def _fresh(self, path: str) -> None:
         # fsspec caches listings; a checkpoint listing must see other writers' commits.

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -270,22 +269,18 @@ class IndexReader:
         return CheckpointFormatError(f"{self.index_path} is not a valid index: {why}.")
 
     def _load(self) -> None:
+        # The checkpoint reader's own source: no blocking open, regular files only.
+        source = _storage._LocalSource(self.index_path, self.bad)
         try:
-            fd = os.open(self.index_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except IsADirectoryError:
-            raise self.bad("it is a directory, not a file") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise self.bad("it is not a regular file")
-            size = info.st_size
-            if size > _MAX_INDEX_BYTES:
-                raise self.bad(f"it has {size} bytes, more than the {_MAX_INDEX_BYTES} allowed")
-            with os.fdopen(os.dup(fd), "rb") as stream:
-                raw = stream.read(_MAX_INDEX_BYTES + 1)
+            if source.size > _MAX_INDEX_BYTES:
+                raise self.bad(
+                    f"it has {source.size} bytes, more than the {_MAX_INDEX_BYTES} allowed"
+                )
+            raw = bytearray(source.size)
+            source.read_into(memoryview(raw), 0)
         finally:
-            os.close(fd)
-        index = _format.parse_json(raw, "the index", self.bad)
+            source.close()
+        index = _format.parse_json(bytes(raw), "the index", self.bad)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise self.bad("it is not a JSON object with a 'weight_map' object")
         metadata = index.get("metadata", {})
