@@ -276,3 +276,25 @@ def test_a_listed_local_checkpoint_removed_before_it_is_opened_is_as_if_never_th
     checkpoints.save_checkpoint(tmp_path, {"x": np.ones(2)}, 1)
     with pytest.raises(FileNotFoundError, match="checkpoint_1"):
         checkpoints.restore_checkpoint(path, target)  # named, and gone: not "nothing there"
+
+
+def test_a_checkpoint_whose_index_cannot_be_removed_keeps_its_pieces(monkeypatch):
+    """Retention uncommits a `.shards` checkpoint by removing its index first; if that
+    removal fails (best effort, as every removal), the pieces it cites stay, so the still
+    listed checkpoint still restores whole."""
+    url = "memory://eqx-test-stuck-index/run"
+    old = {"x": np.arange(4.0)}
+    checkpoints.save_checkpoint_multiprocess(url, old, 1)
+    real_remove = _storage.ObjectStorage.remove
+
+    def index_stuck(self, path):
+        if not path.endswith(_names.INDEX_NAME):
+            real_remove(self, path)
+
+    monkeypatch.setattr(_storage.ObjectStorage, "remove", index_stuck)
+    checkpoints.save_checkpoint_multiprocess(url, {"x": np.ones(4)}, 2, keep=1)
+    monkeypatch.undo()
+    assert checkpoints.available_steps(url) == [1, 2]
+    restored = checkpoints.restore_checkpoint(url, {"x": np.zeros(4)}, step=1)
+    np.testing.assert_array_equal(restored["x"], old["x"])
+    MemoryFileSystem().rm("/eqx-test-stuck-index", recursive=True)
