@@ -1,5 +1,5 @@
-"""Weights in and out of eqx_train: flax msgpack and Orbax checkpoints, PyTorch-style state dicts and
-the Hugging Face sharded safetensors layout."""
+"""Weights in and out of eqx_train: flax msgpack and Orbax checkpoints, PyTorch-style state
+dicts and the Hugging Face sharded safetensors layout."""
 
 from typing import TYPE_CHECKING
 
@@ -7,8 +7,8 @@ from .._lazy import exports
 
 if TYPE_CHECKING:
     from ._flax import load_flax_checkpoint as load_flax_checkpoint
-    from ._orbax import load_orbax_checkpoint as load_orbax_checkpoint
     from ._hf import load_sharded as load_sharded, save_sharded as save_sharded
+    from ._orbax import load_orbax_checkpoint as load_orbax_checkpoint
     from ._state_dict import (
         LoadReport as LoadReport,
         from_state_dict as from_state_dict,

@@ -421,9 +421,9 @@ def _is_orbax(path: str) -> bool:
 
 def _orbax_error(path: str) -> CheckpointFormatError:
     return CheckpointFormatError(
-        f"{path} is an Orbax checkpoint directory, not a flax msgpack checkpoint. Read it with "
-        "orbax.checkpoint (flax writes Orbax by default unless "
-        "flax.config.update('flax_use_orbax_checkpointing', False))."
+        f"{path} is an Orbax checkpoint directory, not a flax msgpack checkpoint (flax writes "
+        "Orbax by default). Read it with eqx_train.interop.load_orbax_checkpoint, or convert "
+        "it with `eqx-train convert-orbax`."
     )
 
 

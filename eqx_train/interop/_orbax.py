@@ -74,7 +74,9 @@ def _items(path: str) -> list[str]:
         names = os.listdir(path)
     except (NotADirectoryError, FileNotFoundError):
         return []
-    return sorted(n for n in names if is_pytree_checkpoint(os.path.join(path, n)))
+    return sorted(
+        n for n in names if _TMP_MARK not in n and is_pytree_checkpoint(os.path.join(path, n))
+    )
 
 
 def _steps(path: str) -> list[tuple[int, str]]:
@@ -101,13 +103,12 @@ def describe(path: str) -> str | None:
         return None
     if is_pytree_checkpoint(path):
         return "an Orbax PyTree checkpoint"
-    items = _items(path)
-    if items:
+    items, steps = _items(path), _steps(path)
+    if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
         return f"an Orbax CheckpointManager step with items {', '.join(items)}"
-    steps = _steps(path)
     if steps:
         shown = ", ".join(os.path.basename(p) for _, p in steps[-5:])
-        return f"a directory of {len(steps)} Orbax checkpoints ({shown})"
+        return f"a directory of {len(steps)} Orbax checkpoints (latest: {shown})"
     return None
 
 
@@ -133,8 +134,10 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
                 "not a CheckpointManager step with named items; leave item out."
             )
         return path
-    items = _items(path)
-    if items:
+    items, steps = _items(path), _steps(path)
+    # A flax run directory's `checkpoint_<step>/` look like items too: a step directory
+    # of a CheckpointManager is marked by its step metadata.
+    if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
         if item is None and len(items) == 1:
             return os.path.join(path, items[0])
         if item is None:
@@ -147,7 +150,6 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
                 f"{caller}: {path} has no item {item!r}; its items are {', '.join(items)}."
             )
         return os.path.join(path, item)
-    steps = _steps(path)
     if steps:
         return resolve(steps[-1][1], item, caller)
     raise CheckpointFormatError(
@@ -203,6 +205,10 @@ class OrbaxReader:
     def bad(self, why: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{self.path} is not a valid Orbax checkpoint: {why}.")
 
+    def _failed(self, name: str, what: str, error: BaseException) -> CheckpointFormatError:
+        text = _format.short(" ".join(str(error).split()), 300)
+        return self.bad(f"array {_format.short(name)} cannot be {what} ({text})")
+
     def __enter__(self) -> OrbaxReader:
         return self
 
@@ -231,7 +237,9 @@ class OrbaxReader:
             )
 
         def bad_metadata(why: str) -> CheckpointFormatError:
-            return CheckpointFormatError(f"{self.metadata_path} is not valid Orbax metadata: {why}.")
+            return CheckpointFormatError(
+                f"{self.metadata_path} is not valid Orbax metadata: {why}."
+            )
 
         meta = _read_json(self.metadata_path, "it", bad_metadata)
         tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
@@ -347,7 +355,7 @@ class OrbaxReader:
             try:
                 store = future.result()
             except Exception as error:  # tensorstore raises ValueError/OSError variants
-                raise self.bad(f"array {_format.short(name)} cannot be opened ({_short(error)})")
+                raise self._failed(name, "opened", error) from None
             shape = tuple(int(d) for d in store.shape)
             if any(int(o) != 0 for o in store.origin):
                 raise self.bad(f"array {_format.short(name)} does not start at index 0")
@@ -377,7 +385,7 @@ class OrbaxReader:
         try:
             return np.asarray(store[index].read().result() if index else store.read().result())
         except Exception as error:
-            raise self.bad(f"array {_format.short(name)} cannot be read ({_short(error)})")
+            raise self._failed(name, "read", error) from None
 
     def read_many(
         self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
@@ -389,7 +397,7 @@ class OrbaxReader:
             try:
                 found[name] = np.asarray(future.result())
             except Exception as error:
-                raise self.bad(f"array {_format.short(name)} cannot be read ({_short(error)})")
+                raise self._failed(name, "read", error) from None
         return found
 
     def strings(self) -> dict[str, str]:
@@ -435,10 +443,6 @@ class OrbaxReader:
                 raise self.bad(f"leaf {_format.short(leaf.name)} has no data")
             values.append((leaf, value))
         return _nest(values, self.bad)
-
-
-def _short(error: BaseException) -> str:
-    return _format.short(" ".join(str(error).split()), 300)
 
 
 def _nest(values: list[tuple[_Leaf, Any]], bad: Any) -> Any:
