@@ -96,19 +96,32 @@ def _steps(path: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def describe(path: str) -> str | None:
-    """What kind of Orbax directory `path` is, in words (None: not an Orbax directory).
-    Used by the command line to say what it found."""
+def layout(path: str) -> tuple[str, list[str]]:
+    """What an Orbax directory is: ("checkpoint", []), ("step", its item names), ("run",
+    its step directories, oldest first), or ("", []) when it is not Orbax."""
     if not os.path.isdir(path):
-        return None
+        return "", []
     if is_pytree_checkpoint(path):
-        return "an Orbax PyTree checkpoint"
+        return "checkpoint", []
     items, steps = _items(path), _steps(path)
+    # A flax run directory's `checkpoint_<step>/` look like items too: a step directory
+    # of a CheckpointManager is marked by its step metadata.
     if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
-        return f"an Orbax CheckpointManager step with items {', '.join(items)}"
+        return "step", items
     if steps:
-        shown = ", ".join(os.path.basename(p) for _, p in steps[-5:])
-        return f"a directory of {len(steps)} Orbax checkpoints (latest: {shown})"
+        return "run", [directory for _, directory in steps]
+    return "", []
+
+
+def describe(path: str) -> str | None:
+    """What kind of Orbax directory `path` is, in words (None: not an Orbax directory)."""
+    kind, names = layout(path)
+    if kind == "checkpoint":
+        return "an Orbax PyTree checkpoint"
+    if kind == "step":
+        return f"an Orbax CheckpointManager step with items {', '.join(names)}"
+    if kind == "run":
+        return f"a directory of {len(names)} Orbax checkpoints"
     return None
 
 
@@ -127,35 +140,57 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
             f"{path} is an unfinished Orbax save (its name has '{_TMP_MARK}'); it was never "
             "committed."
         )
-    if is_pytree_checkpoint(path):
+    kind, names = layout(path)
+    if kind == "checkpoint":
         if item is not None:
             raise ValueError(
                 f"{caller}: item={item!r} was given but {path} is a single PyTree checkpoint, "
                 "not a CheckpointManager step with named items; leave item out."
             )
         return path
-    items, steps = _items(path), _steps(path)
-    # A flax run directory's `checkpoint_<step>/` look like items too: a step directory
-    # of a CheckpointManager is marked by its step metadata.
-    if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
-        if item is None and len(items) == 1:
-            return os.path.join(path, items[0])
+    if kind == "step":
+        if item is None and len(names) == 1:
+            return os.path.join(path, names[0])
         if item is None:
             raise ValueError(
-                f"{caller}: {path} holds several items ({', '.join(items)}); choose one with "
+                f"{caller}: {path} holds several items ({', '.join(names)}); choose one with "
                 "item=..."
             )
-        if item not in items:
+        if item not in names:
             raise ValueError(
-                f"{caller}: {path} has no item {item!r}; its items are {', '.join(items)}."
+                f"{caller}: {path} has no item {item!r}; its items are {', '.join(names)}."
             )
         return os.path.join(path, item)
-    if steps:
-        return resolve(steps[-1][1], item, caller)
+    if kind == "run":
+        return resolve(names[-1], item, caller)
     raise CheckpointFormatError(
         f"{path} is not an Orbax checkpoint: it holds no {METADATA_NAME} or "
         f"{_OCDBT_MANIFEST}, no item directories and no step directories."
     )
+
+
+def _step_of(directory: str) -> int | None:
+    match = _STEP_NAME.fullmatch(os.path.basename(directory.rstrip(os.sep)))
+    return int(match[1]) if match else None
+
+
+def steps_to_convert(path: str, item: str | None) -> list[tuple[int, str]]:
+    """(step, PyTree checkpoint directory) of every checkpoint `path` stands for, oldest
+    first: a checkpoint or a `CheckpointManager` step is one (its step from its directory's
+    name, else 0), a run directory all its committed steps."""
+    single = resolve(path, item, "convert-orbax")  # refuses what is not Orbax, checks `item`
+    kind, _ = layout(path)
+    if kind != "run":
+        step = _step_of(path)
+        if step is None and kind == "checkpoint":  # an item: its step directory's name
+            step = _step_of(os.path.dirname(os.path.abspath(path)))
+        return [(step or 0, single)]
+    steps = _steps(path)
+    found = [(step, resolve(directory, item, "convert-orbax")) for step, directory in steps]
+    for (step, first), (other, second) in zip(found, found[1:], strict=False):
+        if step == other:
+            raise ValueError(f"{first} and {second} are both step {step}; keep one of them")
+    return found
 
 
 def _read_json(path: str, what: str, bad: Any) -> Any:
