@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 
 import jax.numpy as jnp
@@ -251,3 +253,19 @@ def test_diff_refuses_a_tolerance_that_is_not_a_finite_non_negative_number(tmp_p
     with pytest.raises(SystemExit) as raised:
         main(["diff", a, b, "--atol", value])
     assert raised.value.code == 2
+
+
+def test_inspect_of_orbax_and_flax_imports_neither_jax_nor_orbax(flax_orbax_run, flax_msgpack_file):
+    script = (
+        "import sys\n"
+        "from eqx_train._cli import main\n"
+        "codes = [main(['inspect', path]) for path in sys.argv[1:]]\n"
+        "assert 'jax' not in sys.modules and 'orbax' not in sys.modules, 'imported'\n"
+        "sys.exit(max(codes))\n"
+    )
+    paths = [str(flax_orbax_run / "checkpoint_1"), flax_msgpack_file]
+    result = subprocess.run(
+        [sys.executable, "-c", script, *paths], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "an Orbax PyTree checkpoint" in result.stdout and "flax msgpack" in result.stdout
