@@ -14,6 +14,7 @@ reads are compared:
 Variants run interleaved, each `--repeats` times; the table shows medians.
 
     python benchmarks/orbax_read.py [--size-mib 256] [--small-leaves 200] [--repeats 5]
+                                    [--layout ocdbt|plain]
 """
 
 from __future__ import annotations
@@ -71,12 +72,16 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--small-leaves", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--layout", choices=["ocdbt", "plain"], default="ocdbt", help="how orbax saves it"
+    )
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="eqx_train_bench_orbax_")
     try:
         tree = make_tree(args.size_mib, args.small_leaves)
         path = os.path.join(root, "checkpoint_1")
-        ocp.PyTreeCheckpointer().save(path, tree)
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=args.layout == "ocdbt")
+        ocp.Checkpointer(handler).save(path, tree)
         mib = sum(a.nbytes for a in tree.values()) / 2**20
 
         checkpointer = ocp.PyTreeCheckpointer()
@@ -114,7 +119,7 @@ def main() -> None:
     rows_out = [[n, f"{s * 1e3:.0f}", f"{mib / s:.0f}"] for n, s in times.items()]
     leaves = len(tree)
     print_table(
-        f"Orbax checkpoint (OCDBT), {mib:.0f} MiB in {leaves} leaves, medians of {args.repeats}",
+        f"Orbax checkpoint ({args.layout}), {mib:.0f} MiB in {leaves} leaves, medians of {args.repeats}",
         ["variant", "ms", "MiB/s"],
         rows_out,
     )
@@ -125,6 +130,7 @@ def main() -> None:
     )
     summary = {
         "benchmark": "orbax",
+        "layout": args.layout,
         "size_mib": round(mib),
         "leaves": leaves,
         "numpy_vs_orbax": round(numpy_ratio, 3),
