@@ -119,7 +119,8 @@ def main() -> None:
     rows_out = [[n, f"{s * 1e3:.0f}", f"{mib / s:.0f}"] for n, s in times.items()]
     leaves = len(tree)
     print_table(
-        f"Orbax checkpoint ({args.layout}), {mib:.0f} MiB in {leaves} leaves, medians of {args.repeats}",
+        f"Orbax checkpoint ({args.layout}), {mib:.0f} MiB in {leaves} leaves, "
+        f"medians of {args.repeats}",
         ["variant", "ms", "MiB/s"],
         rows_out,
     )
