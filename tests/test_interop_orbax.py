@@ -362,3 +362,45 @@ def test_without_tensorstore_the_error_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorstore", None)
     with pytest.raises(ImportError, match=r"pip install 'eqx_train\[orbax\]'"):
         load_orbax_checkpoint(path)
+
+
+def _plain_checkpoint(tmp_path: Any) -> Any:
+    """An orbax checkpoint in the plain layout (a zarr directory per array), and the
+    contents of its array's `.zarray`."""
+    path = tmp_path / "plain"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(path, {"w": np.arange(3.0)})
+    return path, json.loads((path / "w" / ".zarray").read_text())
+
+
+@pytest.mark.parametrize(
+    "dtype, why", [("|S4", "unsupported dtype"), ("|V4", "unsupported dtype"), ("|O", "opened")]
+)
+def test_non_numeric_array_dtypes_are_refused(tmp_path, dtype, why):
+    path, zarray = _plain_checkpoint(tmp_path)
+    (path / "w" / ".zarray").write_text(json.dumps({**zarray, "dtype": dtype}))
+    with pytest.raises(CheckpointFormatError, match=why):
+        load_orbax_checkpoint(path)
+
+
+def test_an_array_larger_than_memory_is_refused_before_anything_is_allocated(tmp_path):
+    # A tiny file may declare any shape; allocating it would abort the process.
+    path, zarray = _plain_checkpoint(tmp_path)
+    (path / "w" / ".zarray").write_text(json.dumps({**zarray, "shape": [2**50], "chunks": [1]}))
+    with pytest.raises(CheckpointFormatError, match=r"array 'w' would take \d+ bytes, more"):
+        load_orbax_checkpoint(path)
+
+
+def test_a_metadata_file_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    path = _flax_save(tmp_path)
+    os.remove(os.path.join(path, "_METADATA"))
+    os.mkfifo(os.path.join(path, "_METADATA"))
+    with pytest.raises(CheckpointFormatError, match="not a regular file"):
+        load_orbax_checkpoint(path)
+
+
+def test_load_flax_checkpoint_points_an_orbax_directory_to_load_orbax_checkpoint(tmp_path):
+    from eqx_train.interop import load_flax_checkpoint
+
+    path = _flax_save(tmp_path)
+    with pytest.raises(CheckpointFormatError, match="load_orbax_checkpoint"):
+        load_flax_checkpoint(path)

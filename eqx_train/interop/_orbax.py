@@ -20,6 +20,7 @@ A `CheckpointManager` step directory holds one such directory per named item
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -407,8 +408,23 @@ class OrbaxReader:
                 )
             if len(shape) > _format.MAX_NDIM or _format.too_big(shape, dtype.itemsize):
                 raise self.bad(f"array {_format.short(name)} has an impossible shape {shape}")
+            self._check_fits([name], {name: (shape, dtype)})
             self._stores[name] = store
             self._shapes[name] = (shape, dtype)
+
+    def _check_fits(
+        self, names: Sequence[str], shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
+    ) -> None:
+        # zarr metadata may declare any shape, and the data of a compressed chunk is tiny on
+        # disk; tensorstore aborts the process when an allocation fails. Refuse what this
+        # machine cannot hold before asking for it.
+        nbytes = sum(math.prod(shapes[n][0]) * shapes[n][1].itemsize for n in names)
+        if nbytes > _memory_bytes():
+            what = f"array {_format.short(names[0])}" if len(names) == 1 else "its arrays"
+            raise self.bad(
+                f"{what} would take {nbytes} bytes, more than this machine's "
+                f"{_memory_bytes()} bytes of memory"
+            )
 
     def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return self._shapes
@@ -426,6 +442,7 @@ class OrbaxReader:
         self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
     ) -> dict[str, np.ndarray]:
         """Every array named, read at once (tensorstore reads them concurrently)."""
+        self._check_fits(names, self._shapes)
         pending = [(name, self._stores[name].read()) for name in names]
         found = {}
         for name, future in pending:
@@ -478,6 +495,14 @@ class OrbaxReader:
                 raise self.bad(f"leaf {_format.short(leaf.name)} has no data")
             values.append((leaf, value))
         return _nest(values, self.bad)
+
+
+def _memory_bytes() -> int:
+    """The machine's physical memory (a bound no readable array can pass)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no bound
+        return 2**62
 
 
 def _nest(values: list[tuple[_Leaf, Any]], bad: Any) -> Any:
