@@ -23,18 +23,17 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from . import _names
+from ._errors import invalid
 
 # The fsspec protocols eqx_train knows, and the extra that installs each one's client.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _PART_BYTES = 64 << 20  # multipart upload part size
 _READ_BYTES = 16 << 20  # bytes per ranged request; requests run in parallel
 _MERGE_GAP = 64 << 10  # neighbouring ranges closer than this are fetched by one request
-_MAX_REQUESTS = 16
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class Storage(Protocol):
 # ------------------------------------------------------------------------------------- local
 
 
-class _LocalSource:
+class LocalSource:
     """A local file through one file descriptor: a rename over it meanwhile cannot mix two
     versions. Opened without blocking, and refused unless it is a regular file (a FIFO under
     a checkpoint name must not hang a restore)."""
@@ -225,12 +224,7 @@ class LocalStorage:
         fsync_dir(directory or ".")
 
     def open(self, path: str) -> Source:
-        from ._format import CheckpointFormatError
-
-        def bad(why: str) -> Exception:
-            return CheckpointFormatError(f"{path} is not a valid checkpoint: {why}.")
-
-        return _LocalSource(path, bad)
+        return LocalSource(path, invalid(path))
 
     def identity(self, path: str) -> Any:
         try:
@@ -250,7 +244,7 @@ class LocalStorage:
             os.rmdir(path)
 
     def unfinished_uploads(self, directory: str) -> list[Upload]:
-        """Local writes leave temporary files instead; `_files.remove_leftovers` handles them."""
+        """Local writes leave temporary files instead (`_directory.remove_leftovers`)."""
         return []
 
     def abort_upload(self, directory: str, upload: Upload) -> None:
@@ -437,7 +431,7 @@ class ObjectStorage:
         An upload big enough to go in parts first writes an empty marker object named like
         a local temporary file (`.{name}.tmp-{host}-{pid}-{random}`), removed once the
         upload is over: it says who is uploading, so that cleanup aborts only the
-        unfinished uploads of writers that are gone (`_files.remove_leftovers`)."""
+        unfinished uploads of writers that are gone (`_directory.remove_leftovers`)."""
         key = self.strip(path)
         if not replace and self.exists(path):
             raise FileExistsError(path)
@@ -515,12 +509,7 @@ class ObjectStorage:
                             UploadId=upload["UploadId"])  # fmt: skip
 
     def open(self, path: str) -> Source:
-        from ._format import CheckpointFormatError
-
-        def bad(why: str) -> Exception:
-            return CheckpointFormatError(f"{path} is not a valid checkpoint: {why}.")
-
-        return _ObjectSource(self, path, bad)
+        return _ObjectSource(self, path, invalid(path))
 
     @staticmethod
     def identity_of(info: Mapping[str, Any]) -> Any:
@@ -739,11 +728,3 @@ def _accepts_listings_cache(cls: type) -> bool:
     from fsspec.implementations.memory import MemoryFileSystem
 
     return not issubclass(cls, MemoryFileSystem)
-
-
-def run_parallel(jobs: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Runs independent requests at once (object stores are latency-bound)."""
-    if len(jobs) <= 1:
-        return [job() for job in jobs]
-    with ThreadPoolExecutor(max_workers=min(_MAX_REQUESTS, len(jobs))) as pool:
-        return list(pool.map(lambda job: job(), jobs))

@@ -32,15 +32,15 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from ..checkpoints._format import (
+from ..checkpoints.engine import (
     MAX_DEPTH,
     MAX_NDIM,
     CheckpointFormatError,
+    LocalSource,
     aligned_empty,
     short,
     too_big,
 )
-from ..checkpoints._storage import _LocalSource
 
 _WINDOW = 1 << 20  # framing and scalars are read through a window of this many bytes
 _PIECE = 16 << 20  # array data is read in pieces of at most this many bytes...
@@ -478,7 +478,7 @@ def flax_arrays(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     def bad(why: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
 
-    file = _LocalSource(path, bad)
+    file = LocalSource(path, bad)
     try:
         if file.size == 0:
             raise bad("it is empty")
@@ -491,7 +491,7 @@ def flax_arrays(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 def looks_like_flax(path: str) -> bool:
     """Whether a file starts as flax's msgpack files do: a msgpack map (its state dict)."""
     try:
-        file = _LocalSource(path, CheckpointFormatError)  # never blocks on a FIFO
+        file = LocalSource(path, CheckpointFormatError)  # never blocks on a FIFO
     except (OSError, CheckpointFormatError):
         return False
     try:
@@ -546,7 +546,7 @@ def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpo
         return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
 
     try:
-        file = _LocalSource(path, bad)  # opened without blocking; regular files only
+        file = LocalSource(path, bad)  # opened without blocking; regular files only
     except FileNotFoundError:
         raise FileNotFoundError(f"load_flax_checkpoint: {path} does not exist.") from None
     try:

@@ -28,9 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoints import _checkpoints, _format
-from ..checkpoints._format import CheckpointFormatError
-from ..checkpoints._storage import _LocalSource
+from ..checkpoints import engine
+from ..checkpoints.engine import (
+    MAX_NDIM,
+    CheckpointFormatError,
+    FileReader,
+    LocalSource,
+    short,
+    too_big,
+)
 
 METADATA_NAME = "_METADATA"
 _STRINGS_NAME = "_strings.json"
@@ -195,7 +201,7 @@ def steps_to_convert(path: str, item: str | None) -> list[tuple[int, str]]:
 
 
 def _read_json(path: str, what: str, bad: Any) -> Any:
-    source = _LocalSource(path, bad)  # no blocking open, regular files only
+    source = LocalSource(path, bad)  # no blocking open, regular files only
     try:
         if source.size > _MAX_METADATA_BYTES:
             raise bad(f"{what} has {source.size} bytes, more than {_MAX_METADATA_BYTES}")
@@ -203,7 +209,7 @@ def _read_json(path: str, what: str, bad: Any) -> Any:
         source.read_into(memoryview(raw), 0)
     finally:
         source.close()
-    return _format.parse_json(bytes(raw), what, bad)
+    return engine.parse_json(bytes(raw), what, bad)
 
 
 class _Leaf:
@@ -220,19 +226,18 @@ class _Leaf:
 
 
 class OrbaxReader:
-    """One Orbax PyTree checkpoint as a checkpoint reader, with the interface of
-    `FileReader` (`arrays`, `read`, `read_many`, `has_description`), so that
-    `restore_checkpoint`'s matching code serves it unchanged.
+    """One Orbax PyTree checkpoint as a checkpoint `Reader` (`arrays`, `read`, `read_many`,
+    ...), so that `restore_checkpoint`'s matcher serves it unchanged.
 
     `_METADATA` is validated whole and every array opened (its zarr metadata read and
     checked: numeric dtypes only, sizes that exist) before any data is read.
     """
 
-    has_description = False
-    description = None
+    has_description = False  # no eqx_train tree description: Orbax has its own
 
     def __init__(self, directory: str):
         self.path = directory
+        self.metadata: dict[str, str] = {}  # no safetensors metadata
         self.metadata_path = os.path.join(directory, METADATA_NAME)
         self._ts = _tensorstore()
         self._parse_metadata()
@@ -242,8 +247,8 @@ class OrbaxReader:
         return CheckpointFormatError(f"{self.path} is not a valid Orbax checkpoint: {why}.")
 
     def _failed(self, name: str, what: str, error: BaseException) -> CheckpointFormatError:
-        text = _format.short(" ".join(str(error).split()), 300)
-        return self.bad(f"array {_format.short(name)} cannot be {what} ({text})")
+        text = short(" ".join(str(error).split()), 300)
+        return self.bad(f"array {short(name)} cannot be {what} ({text})")
 
     def __enter__(self) -> OrbaxReader:
         return self
@@ -256,6 +261,13 @@ class OrbaxReader:
 
     def check_unchanged(self) -> None:
         """Nothing to check: orbax never rewrites a committed checkpoint in place."""
+
+    def description(self) -> Any:
+        raise self.bad("it has no eqx_train tree description (see `tree()`)")
+
+    def files(self) -> dict[str, FileReader]:
+        """No safetensors files: the arrays are zarr arrays read through tensorstore."""
+        return {}
 
     # ------------------------------------------------------------------ metadata
 
@@ -285,7 +297,7 @@ class OrbaxReader:
         for flag in ("use_ocdbt", "use_zarr3", "store_array_data_equal_to_fill_value"):
             value = meta.get(flag)
             if value is not None and not isinstance(value, bool):
-                raise bad_metadata(f"'{flag}' is {_format.short(value)}, not true or false")
+                raise bad_metadata(f"'{flag}' is {short(value)}, not true or false")
             flags[flag] = value
         # Older orbax did not record the layout: the database's manifest tells.
         self.use_ocdbt = (
@@ -314,13 +326,13 @@ class OrbaxReader:
         names: dict[str, _Leaf] = {}
         for leaf in kept:
             if leaf.name in names:
-                raise bad_metadata(f"two leaves are both named {_format.short(leaf.name)}")
+                raise bad_metadata(f"two leaves are both named {short(leaf.name)}")
             names[leaf.name] = leaf
         self.leaves = kept
         self._by_name = names
 
     def _leaf(self, label: str, entry: Any, bad: Any) -> _Leaf:
-        where = f"entry {_format.short(label)}"
+        where = f"entry {short(label)}"
         if not isinstance(entry, dict):
             raise bad(f"{where} is not an object")
         key_metadata, value = entry.get("key_metadata"), entry.get("value_metadata")
@@ -335,7 +347,7 @@ class OrbaxReader:
             ):
                 raise bad(f"{where} has a key that is not {{'key': str, 'key_type': 1 or 2}}")
             if key["key_type"] == _SEQUENCE and not key["key"].isdecimal():
-                raise bad(f"{where} has the sequence index {_format.short(key['key'])}")
+                raise bad(f"{where} has the sequence index {short(key['key'])}")
             keys.append(key["key"])
             kinds.append(key["key_type"])
         value_type, skip = value.get("value_type"), value.get("skip_deserialize", False)
@@ -343,7 +355,7 @@ class OrbaxReader:
             raise bad(f"{where} has no 'value_type' string")
         if value_type not in _ARRAY_TYPES and value_type != "string" and value_type not in _EMPTY:
             raise bad(
-                f"{where} holds a {_format.short(value_type)}, which has no standard Orbax "
+                f"{where} holds a {short(value_type)}, which has no standard Orbax "
                 "handler (a custom TypeHandler wrote it)"
             )
         name = ".".join(keys)
@@ -351,7 +363,7 @@ class OrbaxReader:
             # Outside OCDBT a name is a path below the directory: never let it leave it.
             parts = name.split("/")
             if "\0" in name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-                raise bad(f"{where} names the array {_format.short(name)}, not a plain name")
+                raise bad(f"{where} names the array {short(name)}, not a plain name")
         return _Leaf(tuple(keys), tuple(kinds), value_type, skip)
 
     # ------------------------------------------------------------------ arrays
@@ -394,7 +406,7 @@ class OrbaxReader:
                 raise self._failed(name, "opened", error) from None
             shape = tuple(int(d) for d in store.shape)
             if any(int(o) != 0 for o in store.origin):
-                raise self.bad(f"array {_format.short(name)} does not start at index 0")
+                raise self.bad(f"array {short(name)} does not start at index 0")
             try:
                 dtype = np.dtype(store.dtype.numpy_dtype)
             except (TypeError, ValueError):
@@ -403,11 +415,9 @@ class OrbaxReader:
                 dtype.kind in "biufc"
                 or (dtype.type.__module__ == "ml_dtypes" and dtype.itemsize > 0)
             ):
-                raise self.bad(
-                    f"array {_format.short(name)} has the unsupported dtype {store.dtype}"
-                )
-            if len(shape) > _format.MAX_NDIM or _format.too_big(shape, dtype.itemsize):
-                raise self.bad(f"array {_format.short(name)} has an impossible shape {shape}")
+                raise self.bad(f"array {short(name)} has the unsupported dtype {store.dtype}")
+            if len(shape) > MAX_NDIM or too_big(shape, dtype.itemsize):
+                raise self.bad(f"array {short(name)} has an impossible shape {shape}")
             self._check_fits([name], {name: (shape, dtype)})
             self._stores[name] = store
             self._shapes[name] = (shape, dtype)
@@ -420,7 +430,7 @@ class OrbaxReader:
         # machine cannot hold before asking for it.
         nbytes = sum(math.prod(shapes[n][0]) * shapes[n][1].itemsize for n in names)
         if nbytes > _memory_bytes():
-            what = f"array {_format.short(names[0])}" if len(names) == 1 else "its arrays"
+            what = f"array {short(names[0])}" if len(names) == 1 else "its arrays"
             raise self.bad(
                 f"{what} would take {nbytes} bytes, more than this machine's "
                 f"{_memory_bytes()} bytes of memory"
@@ -469,7 +479,7 @@ class OrbaxReader:
             raise bad("it is not a JSON object")
         for name in wanted:
             if not isinstance(table.get(name), str):
-                raise bad(f"it has no string for leaf {_format.short(name)}")
+                raise bad(f"it has no string for leaf {short(name)}")
         return {name: table[name] for name in wanted}
 
     def tree(self) -> Any:
@@ -484,7 +494,7 @@ class OrbaxReader:
                 value: Any = arrays[leaf.name]
                 if leaf.value_type == "scalar":
                     if value.ndim != 0:
-                        raise self.bad(f"scalar {_format.short(leaf.name)} has shape {value.shape}")
+                        raise self.bad(f"scalar {short(leaf.name)} has shape {value.shape}")
                     value = value.item()
             elif leaf.value_type == "string":
                 value = strings[leaf.name]
@@ -492,7 +502,7 @@ class OrbaxReader:
                 empty = _EMPTY[leaf.value_type]
                 value = None if empty is None else empty()
             else:
-                raise self.bad(f"leaf {_format.short(leaf.name)} has no data")
+                raise self.bad(f"leaf {short(leaf.name)} has no data")
             values.append((leaf, value))
         return _nest(values, self.bad)
 
@@ -514,15 +524,15 @@ def _nest(values: list[tuple[_Leaf, Any]], bad: Any) -> Any:
         for depth, key in enumerate(leaf.keys):
             prefix = leaf.keys[:depth]
             if kinds_at.setdefault(prefix, leaf.kinds[depth]) != leaf.kinds[depth]:
-                raise bad(f"the keys under {_format.short('.'.join(prefix))} mix kinds")
+                raise bad(f"the keys under {short('.'.join(prefix))} mix kinds")
             if depth == len(leaf.keys) - 1:
                 if key in node:
-                    raise bad(f"leaf {_format.short(leaf.name)} is given twice")
+                    raise bad(f"leaf {short(leaf.name)} is given twice")
                 node[key] = value
             else:
                 child = node.setdefault(key, {})
                 if not isinstance(child, dict):
-                    raise bad(f"leaf {_format.short(leaf.name)} is inside another leaf")
+                    raise bad(f"leaf {short(leaf.name)} is inside another leaf")
                 node = child
 
     def convert(node: Any, prefix: tuple[str, ...]) -> Any:
@@ -533,7 +543,7 @@ def _nest(values: list[tuple[_Leaf, Any]], bad: Any) -> Any:
             return items
         order = sorted(items, key=int)
         if [int(k) for k in order] != list(range(len(order))):
-            raise bad(f"the sequence {_format.short('.'.join(prefix))} has gaps in its indices")
+            raise bad(f"the sequence {short('.'.join(prefix))} has gaps in its indices")
         return [items[k] for k in order]
 
     return convert(root, ())
@@ -595,7 +605,7 @@ def load_orbax_checkpoint(
     with OrbaxReader(directory) as reader:
         if target is None:
             return reader.tree()
-        return _checkpoints._restore_from(
+        return engine.restore_from(
             reader,
             target,
             strict=strict,
