@@ -393,13 +393,22 @@ def _convert_flax(args: argparse.Namespace) -> int:
 
 
 def _convert_orbax(args: argparse.Namespace) -> int:
-    from .checkpoints import save_checkpoint
+    from .checkpoints import available_steps, save_checkpoint
     from .interop import load_orbax_checkpoint
 
     if not os.path.lexists(args.src):
         raise CommandError(f"{args.src}: no such file or directory")
     found = interop.orbax_steps_to_convert(args.src, args.item)
-    for directory, step in ((d, s) for s, d in found):
+    held = (
+        available_steps(args.dst, args.prefix, step_type=float) if os.path.isdir(args.dst) else []
+    )
+    if held and found[0][0] <= held[-1]:
+        # Checkpoints are added in step order: refuse before writing anything.
+        raise CommandError(
+            f"{args.dst} already holds step {held[-1]:g}; the steps to convert "
+            f"({', '.join(str(step) for step, _ in found)}) must all be newer"
+        )
+    for step, directory in found:
         try:
             tree = load_orbax_checkpoint(directory)
             # Retention off: converting must never delete what DST already holds.

@@ -103,14 +103,16 @@ def test_convert_orbax_without_item_on_two_items_is_one_line_listing_them(
     assert not os.path.exists(tmp_path / "dst")
 
 
-def test_convert_orbax_never_deletes_what_the_destination_holds(flax_orbax_run, tmp_path):
+def test_convert_orbax_never_deletes_what_the_destination_holds(flax_orbax_run, tmp_path, capsys):
     dst = tmp_path / "eqx_run"
     save_checkpoint(dst, {"x": np.zeros(2)}, 0)
     assert main(["convert-orbax", str(flax_orbax_run), str(dst)]) == 0
     assert available_steps(dst) == [0, 1, 2]
-    # A step DST already has is refused, and what DST holds stays.
+    # Steps not newer than what DST holds are refused before anything is written.
+    save_checkpoint(dst, {"x": np.ones(2)}, 7, keep=100)
     assert main(["convert-orbax", str(flax_orbax_run), str(dst)]) == 1
-    assert available_steps(dst) == [0, 1, 2]
+    assert "already holds step 7; the steps to convert (1, 2)" in capsys.readouterr().err
+    assert available_steps(dst) == [0, 1, 2, 7]
 
 
 def test_convert_orbax_of_something_else_is_one_line_naming_it(tmp_path, capsys):
