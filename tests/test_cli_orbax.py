@@ -271,3 +271,12 @@ def test_inspect_of_orbax_and_flax_imports_neither_jax_nor_orbax(flax_orbax_run,
     )
     assert result.returncode == 0, result.stderr
     assert "an Orbax PyTree checkpoint" in result.stdout and "flax msgpack" in result.stdout
+
+
+def test_convert_orbax_without_tensorstore_names_the_extra(
+    flax_orbax_run, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "tensorstore", None)
+    assert main(["convert-orbax", str(flax_orbax_run), str(tmp_path / "dst")]) == 1
+    assert "pip install 'eqx_train[orbax]'" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "dst")
