@@ -140,6 +140,7 @@ def save_pipeline(
         raise ValueError(f"{caller}: {error}") from None
     if async_manager is not None:
         async_manager.wait_previous_save()
+    store.start_deadline()  # every request of this save, from here on, shares one budget
     description, tensors = _format.describe(target, caller=caller, allow_global=multiprocess)
     step_text = _names.canonical_step(step)
     metadata = {
