@@ -430,12 +430,16 @@ class ObjectStorage:
         timeout = self._remaining(url)
         if _is_async(self.fs):
             kwargs["timeout"] = timeout
+        with client_errors(url), self._deadline_errors(url):
+            return method(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _deadline_errors(self, url: str) -> Iterator[None]:
+        from fsspec.exceptions import FSTimeoutError
+
         try:
-            with client_errors(url):
-                return method(*args, **kwargs)
-        except TimeoutError as error:
-            if url in str(error):
-                raise
+            yield
+        except FSTimeoutError as error:  # fsspec cancelled the request at the deadline
             raise self._expired(url) from error
 
     def _bound(self, stream: Any, url: str) -> None:
@@ -446,12 +450,8 @@ class ObjectStorage:
             return
 
         def bounded(method: str, *args: Any, **kwargs: Any) -> Any:
-            try:
+            with self._deadline_errors(url):
                 return inner(method, *args, timeout=self._remaining(url), **kwargs)
-            except TimeoutError as error:
-                if url in str(error):
-                    raise
-                raise self._expired(url) from error
 
         stream._call_s3 = bounded
 
@@ -622,17 +622,17 @@ class ObjectStorage:
             return
         bucket, _, name = key.partition("/")
 
-        def abort() -> None:
-            self.call(path, self.fs.call_s3, "abort_multipart_upload", Bucket=bucket,
-                      Key=name, UploadId=upload["UploadId"])  # fmt: skip
+        def abort(store: ObjectStorage) -> None:
+            store.call(path, store.fs.call_s3, "abort_multipart_upload", Bucket=bucket,
+                       Key=name, UploadId=upload["UploadId"])  # fmt: skip
 
         self._try_or_later(abort)
 
-    def _try_or_later(self, action: Callable[[], None]) -> None:
+    def _try_or_later(self, action: Callable[[ObjectStorage], None]) -> None:
         """Runs a cleanup request now, or (when the store does not answer) before the next
-        write through this client."""
+        write through this client (under that write's deadline)."""
         try:
-            action()
+            action(self)
         except FileNotFoundError:
             pass  # already gone
         except Exception:
@@ -786,7 +786,7 @@ def _client_key(fs: Any) -> Any:
 
 # Cleanup requests (aborting an upload, removing its marker) that failed because the store
 # did not answer, per client: the next write through that client runs them first.
-_PENDING: dict[Any, list[Callable[[], None]]] = {}
+_PENDING: dict[Any, list[Callable[[ObjectStorage], None]]] = {}
 _PENDING_LOCK = threading.Lock()
 _MAX_PENDING = 1000
 
@@ -808,8 +808,8 @@ class _UploadMarker:
         # (or by this client's next write, if the store stopped answering), and must neither
         # fail a committed upload nor hide the error of a failed one.
         if self.written:
-            store, path = self.store, self.path
-            store._try_or_later(lambda: store.call(path, store.fs.rm_file, store.strip(path)))
+            path = self.path
+            self.store._try_or_later(lambda store: store.call(path, store.fs.rm_file, store.strip(path)))
 
 
 class _MarkedStream:
