@@ -48,11 +48,12 @@ def test_a_lost_answer_to_the_shards_index_upload_keeps_the_committed_checkpoint
     url, options, proxy = proxied
     old, new = {"x": np.arange(4.0)}, {"x": np.arange(4.0) + 10}
     checkpoints.save_checkpoint_multiprocess(url, old, 1, storage_options=options)
-    drop = proxy.drop_response(lambda r: r.method == "PUT" and r.path.endswith("/index.safetensors"))
+    index = "checkpoint_2.shards/index.safetensors"
+    drop = proxy.drop_response(lambda r: r.method == "PUT" and r.path.endswith(index))
     checkpoints.save_checkpoint_multiprocess(url, new, 2, keep=1, storage_options=options)
     # Proof the fault landed: the index PUT reached the store, its answer was dropped, and
     # the client sent it again (refused: the index existed by then).
-    puts = [r for r in proxy.log if r.method == "PUT" and r.path.endswith("2.shards/index.safetensors")]
+    puts = [r for r in proxy.log if r.method == "PUT" and r.path.endswith(index)]
     assert len(drop.hits) == 1 and len(puts) == 2, [(r.method, r.path, r.fate) for r in proxy.log]
     assert checkpoints.available_steps(url, storage_options=options) == [2]
     assert_trees_equal(checkpoints.restore_checkpoint(url, new, storage_options=options), new)

@@ -74,7 +74,9 @@ def save_checkpoint(
       background; a later save waits for this one and raises its error.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
-      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too. Besides,
+      `"deadline_s"` bounds the time all of this save's requests may take together (1800 s
+      by default; then `TimeoutError` naming the URL, see docs/cloud_storage.md).
 
     **Returns:**
 

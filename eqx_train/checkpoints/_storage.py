@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import os
 import math
+import os
 import re
 import secrets
 import stat
@@ -809,7 +809,11 @@ class _UploadMarker:
         # fail a committed upload nor hide the error of a failed one.
         if self.written:
             path = self.path
-            self.store._try_or_later(lambda store: store.call(path, store.fs.rm_file, store.strip(path)))
+
+            def remove(store: ObjectStorage) -> None:
+                store.call(path, store.fs.rm_file, store.strip(path))
+
+            self.store._try_or_later(remove)
 
 
 class _MarkedStream:
