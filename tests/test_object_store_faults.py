@@ -230,6 +230,31 @@ def test_a_server_frozen_mid_save_keeps_the_previous_checkpoint(s3_server, s3_bu
     assert_trees_equal(checkpoints.restore_checkpoint(url, new, storage_options=options), new)
 
 
+def test_a_restore_from_a_store_that_stops_answering_fails_at_the_deadline(proxied):
+    url, options = proxied[:2]
+    checkpoints.save_checkpoint(url, {"x": np.zeros(3)}, 1, storage_options=options)
+    proxied[2].stall()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=re.escape(url) + ".*deadline of 1 s"):
+        checkpoints.restore_checkpoint(url, None, storage_options={**options, "deadline_s": 1})
+    assert time.monotonic() - started < 6
+
+
+def test_s3_requests_get_bounded_timeouts_and_retries_unless_the_caller_sets_them():
+    pytest.importorskip("s3fs")
+    store = _store("s3://bkt/run", {"anon": True})
+    assert store.fs.config_kwargs == {
+        "connect_timeout": 10,
+        "read_timeout": 60,
+        "retries": {"max_attempts": 3, "mode": "standard"},
+    }
+    assert store.deadline_s == _storage.DEFAULT_DEADLINE_S
+    mine = {"anon": True, "config_kwargs": {"read_timeout": 5}, "deadline_s": 30}
+    store = _store("s3://bkt/run", mine)
+    assert store.fs.config_kwargs["read_timeout"] == 5 and store.deadline_s == 30
+    assert mine["deadline_s"] == 30  # the caller's dict is left as it was
+
+
 def test_deadline_s_must_be_a_positive_number():
     for bad in (0, -1, float("inf"), "10", True):
         with pytest.raises(ValueError, match=r"deadline_s.*positive"):

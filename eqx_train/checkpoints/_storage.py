@@ -16,6 +16,7 @@ byte source that stays one version of the file.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import errno
 import math
@@ -925,7 +926,9 @@ def resolve(
     if _accepts_listings_cache(cls):
         options.setdefault("use_listings_cache", False)
     if any(c.__module__.partition(".")[0] == "s3fs" for c in cls.__mro__):
-        options["config_kwargs"] = {**_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
+        # A deep copy: botocore rewrites the `retries` dict it is given in place.
+        defaults = copy.deepcopy(_CLIENT_DEFAULTS)
+        options["config_kwargs"] = {**defaults, **(options.get("config_kwargs") or {})}
     fs = cls(**options)
     return ObjectStorage(protocol, fs, deadline_s=deadline_s), f"{protocol}://{rest}"
 
