@@ -68,7 +68,9 @@ def save_checkpoint(
       background; a later save waits for this one and raises its error.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
-      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too. Besides,
+      `"deadline_s"` bounds the time all of this save's requests may take together (1800 s
+      by default; then `TimeoutError` naming the URL, see docs/cloud_storage.md).
 
     **Returns:**
 
@@ -134,6 +136,7 @@ def save_pipeline(
         raise ValueError(f"{caller}: {error}") from None
     if async_manager is not None:
         async_manager.wait_previous_save()
+    store.start_deadline()  # every request of this save, from here on, shares one budget
     description, tensors = _description.describe(target, caller=caller, allow_global=multiprocess)
     step_text = _names.canonical_step(step)
     metadata = {
