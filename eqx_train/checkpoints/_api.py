@@ -15,7 +15,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from . import _description, _directory, _format, _multiprocess, _names, _restore, _storage
+from . import _description, _directory, _format, _locations, _multiprocess, _names, _restore
 from ._async import AsyncManager
 
 T = TypeVar("T")
@@ -68,7 +68,9 @@ def save_checkpoint(
       background; a later save waits for this one and raises its error.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
-      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too. Besides,
+      `"deadline_s"` bounds the time all of this save's requests may take together (1800 s
+      by default; then `TimeoutError` naming the URL, see docs/cloud_storage.md).
 
     **Returns:**
 
@@ -117,7 +119,7 @@ def save_pipeline(
     Validates everything before touching the disk, writes, commits, then (after the commit
     is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
-    store, ckpt_dir = _storage.resolve(ckpt_dir, storage_options, caller=caller)
+    store, ckpt_dir = _locations.resolve(ckpt_dir, storage_options, caller=caller)
     if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
         # On an object store nobody can tell a live writer's uncommitted pieces from a dead
         # one's but by age: other saves remove them after `STALE_S`.
@@ -134,6 +136,7 @@ def save_pipeline(
         raise ValueError(f"{caller}: {error}") from None
     if async_manager is not None:
         async_manager.wait_previous_save()
+    store.start_deadline()  # every request of this save, from here on, shares one budget
     description, tensors = _description.describe(target, caller=caller, allow_global=multiprocess)
     step_text = _names.canonical_step(step)
     metadata = {
@@ -270,7 +273,7 @@ def latest_checkpoint(
     directory (notes, temporary files, other prefixes) are ignored. `ckpt_dir` may be an
     object-store URL (then `storage_options` as for `save_checkpoint`).
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
     newest = _directory.latest(_directory.list_checkpoints(store, where, prefix))
     return None if newest is None else newest.path
 
@@ -293,7 +296,7 @@ def available_steps(
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="available_steps")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="available_steps")
     listing = _directory.list_checkpoints(store, where, prefix)
     texts = list({e.value: e.text for e in listing}.values())
     if step_type is int:
@@ -360,7 +363,7 @@ def restore_checkpoint(
     expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
         store, where, target, step, prefix, strict=strict, parallel=parallel, verify=verify
     )

@@ -146,11 +146,20 @@ def write_and_commit(
                 **metadata,
                 _names.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
             }
-            store.atomic_write(
-                store.join(final_dir, _names.INDEX_NAME),
-                lambda out: _format.write_file(out, [], index_metadata),
-                replace=overwrite,
-            )
+            try:
+                store.atomic_write(
+                    store.join(final_dir, _names.INDEX_NAME),
+                    lambda out: _format.write_file(out, [], index_metadata),
+                    replace=overwrite,
+                )
+            except FileExistsError:
+                # The store refused the index because it exists: a concurrent save's, or
+                # ours, committed by a request whose answer was lost before the client's
+                # retry was refused. Ours cites only this save's pieces.
+                cited = _shards.referenced_pieces(store, final_dir) or set()
+                tokens = {(_names.parse_piece_file(name) or (0, None))[1] for name in cited}
+                if tokens != {token}:
+                    raise
         except BaseException as error:
             _coordination.broadcast(
                 commit_op,

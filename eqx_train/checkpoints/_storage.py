@@ -1,39 +1,29 @@
-"""Where checkpoints live: a local directory, or an object store behind an fsspec URL
-(`s3://bucket/run`, `gs://bucket/run`, `memory://run`, `file:///abs/path`).
-
-The rest of the checkpoint code sees one small interface (`Storage`) and never calls `os`
-or a client library directly. Its promise is the same everywhere: `atomic_write` makes a
-file appear whole or not at all, listings show only what is there now, and `open` gives a
-byte source that stays one version of the file.
+"""Where checkpoints live: the one small interface the rest of the checkpoint code sees
+(`Storage`, the `Source` of an open file, the `Item`s of a listing), and its local
+implementation. The code above never calls `os` or a client library directly. The promise
+is the same everywhere: `atomic_write` makes a file appear whole or not at all, listings
+show only what is there now, and `open` gives a byte source that stays one version of the
+file.
 
 - Local paths (and `file://` URLs) keep the POSIX protocol: a temporary file, fsync, a
-  rename (or a hard link, which never clobbers), fsync of the directory.
-- Object stores have no rename. An object appears atomically when its upload completes, so
-  a file is uploaded straight under its final name (multipart for large ones); an upload
-  that fails is aborted, and one whose writer was killed stays invisible.
+  rename (or a hard link, which never clobbers), fsync of the directory (`LocalStorage`,
+  here).
+- Object stores behind an fsspec URL (`s3://bucket/run`, `gs://bucket/run`, `memory://run`)
+  have no rename: `_object_storage.ObjectStorage`.
+- Which of the two a location names: `_locations.resolve`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
 import os
-import re
 import stat
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from . import _names
 from ._errors import invalid
-
-# The fsspec protocols eqx_train knows, and the extra that installs each one's client.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-_PART_BYTES = 64 << 20  # multipart upload part size
-_READ_BYTES = 16 << 20  # bytes per ranged request; requests run in parallel
-_MERGE_GAP = 64 << 10  # neighbouring ranges closer than this are fetched by one request
 
 
 @dataclass(frozen=True)
@@ -96,6 +86,8 @@ class Storage(Protocol):
 
     def makedirs(self, path: str) -> None: ...
 
+    def start_deadline(self) -> None: ...
+
     def atomic_write(self, path: str, write: Writer, *, replace: bool = True) -> None: ...
 
     def open(self, path: str) -> Source: ...
@@ -109,6 +101,42 @@ class Storage(Protocol):
     def unfinished_uploads(self, directory: str) -> list[Upload]: ...
 
     def abort_upload(self, directory: str, upload: Upload) -> None: ...
+
+
+# ----------------------------------------------------------------------------- client errors
+
+
+_CLIENT_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google"}
+
+
+@contextlib.contextmanager
+def client_errors(url: str) -> Iterator[None]:
+    """Errors of the object-store client (botocore's `NoCredentialsError`, a refused
+    connection...) become `OSError`s that name the URL; `OSError`s that do not name it (s3fs
+    turns a 403 into `PermissionError: Forbidden`) get it added and keep their type."""
+    try:
+        yield
+    except OSError as error:
+        if url in str(error):
+            raise
+        raise _naming(error, url) from error
+    except Exception as error:
+        if type(error).__module__.partition(".")[0] not in _CLIENT_MODULES:
+            raise
+        raise OSError(f"{url}: {type(error).__name__}: {error}") from error
+
+
+def _naming(error: OSError, url: str) -> OSError:
+    """`error` with `url` in front of its message, of the same type where that type can be
+    built from a message (so `except PermissionError` / `FileNotFoundError` still work)."""
+    message = f"{url}: {error}"
+    try:
+        named = type(error)(message)
+    except Exception:
+        return OSError(error.errno, message) if error.errno is not None else OSError(message)
+    if error.errno is not None and named.errno is None:
+        named.errno = error.errno
+    return named
 
 
 # ------------------------------------------------------------------------------------- local
@@ -200,6 +228,9 @@ class LocalStorage:
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
+    def start_deadline(self) -> None:
+        """Local writes have no deadline: a disk that stops answering is the kernel's."""
+
     def atomic_write(self, path: str, write: Writer, *, replace: bool = True) -> None:
         """Runs `write(fd)` on a temporary file, fsyncs it, moves it to `path`, fsyncs the
         directory. On any error the temporary file is removed and the previous files are
@@ -262,469 +293,3 @@ def _link(temp_path: str, final_path: str) -> bool:
         return False
     os.remove(temp_path)
     return True
-
-
-# ----------------------------------------------------------------------------- object stores
-
-
-class _ObjectSource:
-    """An object: its size and ETag read once, then byte-range requests, several in
-    parallel. Object stores cannot pin a version for plain range reads, so a reader calls
-    `check_unchanged` after its last read: if the object was replaced meanwhile (an
-    overwrite of the same step), it raises `ObjectReplacedError` and the restore starts
-    again on the new version."""
-
-    is_local = False
-
-    def __init__(self, store: ObjectStorage, path: str, bad: Callable[[str], Exception]):
-        self.path = path
-        self._store = store
-        self._bad = bad
-        info = store.info(path)
-        if info is None:
-            raise FileNotFoundError(path)
-        if info.get("type") != "file":
-            raise bad("it is a directory, not a file")
-        self.size = int(info["size"])
-        self.identity = store.identity_of(info)
-
-    def read_into(self, view: memoryview, offset: int) -> None:
-        self.read_ranges([(view, offset)])
-
-    def read_ranges(self, jobs: Sequence[tuple[memoryview, int]]) -> None:
-        """Fills each view with the bytes at its offset. Large ranges are split and small
-        neighbouring ones merged, so that every request moves about `_READ_BYTES`, and all
-        requests run at once."""
-        pieces = sorted(
-            (offset + begin, view[begin : begin + _READ_BYTES])
-            for view, offset in jobs
-            for begin in range(0, len(view), _READ_BYTES)
-        )
-        for offset, view in pieces:
-            if offset + len(view) > self.size:
-                raise self._bad("it ended early (truncated)")
-        spans: list[tuple[int, int, list[tuple[int, memoryview]]]] = []
-        for offset, view in pieces:
-            end = offset + len(view)
-            if (
-                spans
-                and 0 <= offset - spans[-1][1] <= _MERGE_GAP
-                and end - spans[-1][0] <= _READ_BYTES
-            ):
-                start, _, members = spans[-1]
-                spans[-1] = (start, end, members)
-                members.append((offset, view))
-            else:
-                spans.append((offset, end, [(offset, view)]))
-        if not spans:
-            return
-        fs = self._store.fs
-        path = self._store.strip(self.path)
-        with client_errors(self.path):
-            results = fs.cat_ranges(
-                [path] * len(spans), [s for s, _, _ in spans], [e for _, e, _ in spans]
-            )
-            for data in results:
-                if isinstance(data, BaseException):
-                    raise data
-        for (start, end, members), data in zip(spans, results, strict=True):
-            if len(data) != end - start:
-                raise self._bad("it ended early (truncated)")
-            whole = memoryview(data)
-            for offset, view in members:
-                view[:] = whole[offset - start : offset - start + len(view)]
-
-    def check_unchanged(self) -> None:
-        """Raises `ObjectReplacedError` if the object is no longer the version opened, so
-        bytes read from it may mix two versions."""
-        if self._store.identity(self.path) != self.identity:
-            raise ObjectReplacedError(
-                f"{self.path} was replaced or removed while it was being read"
-            )
-
-    def close(self) -> None:
-        pass
-
-
-class _ConditionRefused(Exception):
-    """The store does not implement conditional writes (If-None-Match)."""
-
-
-class ObjectReplacedError(FileNotFoundError):
-    """The version of an object being read is gone (overwritten or deleted meanwhile)."""
-
-
-class ObjectStorage:
-    """A bucket (or fsspec memory store) addressed by URLs `protocol://bucket/key`."""
-
-    is_local = False
-
-    def __init__(self, protocol: str, fs: Any):
-        self.protocol = protocol
-        self.fs = fs
-        self._conditional = True  # until the store answers that it has no conditional writes
-
-    def strip(self, path: str) -> str:
-        return self.fs._strip_protocol(path)
-
-    def join(self, directory: str, name: str) -> str:
-        if directory.endswith("://"):  # the root of a store (memory://)
-            return directory + name
-        return directory.rstrip("/") + "/" + name
-
-    def _fresh(self, path: str) -> None:
-        # fsspec caches listings; a checkpoint listing must see other writers' commits.
-        with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(self.strip(path))
-
-    def list(self, directory: str) -> list[Item]:
-        self._fresh(directory)
-        try:
-            with client_errors(directory):
-                entries = self.fs.ls(self.strip(directory), detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        base = self.strip(directory).rstrip("/")
-        items = []
-        for e in entries:
-            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if str(e["name"]).rstrip("/") == base:
-                continue  # some stores list a "directory" marker object as itself
-            kind = e.get("type")
-            modified = _timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
-            items.append(
-                Item(
-                    name, self.join(directory, name), kind == "directory", kind == "file", modified
-                )
-            )
-        return items
-
-    def info(self, path: str) -> dict[str, Any] | None:
-        self._fresh(path)
-        try:
-            with client_errors(path):
-                return self.fs.info(self.strip(path))
-        except FileNotFoundError:
-            return None
-
-    def is_file(self, path: str) -> bool:
-        info = self.info(path)
-        return info is not None and info.get("type") == "file"
-
-    def is_dir(self, path: str) -> bool:
-        info = self.info(path)
-        return info is not None and info.get("type") == "directory"
-
-    def exists(self, path: str) -> bool:
-        return self.info(path) is not None
-
-    def makedirs(self, path: str) -> None:
-        """Object stores have no directories: a prefix exists once an object is under it."""
-
-    def atomic_write(self, path: str, write: Writer, *, replace: bool = True) -> None:
-        """Uploads what `write(stream)` writes as the object `path`: it appears only when
-        the upload completes, and a failed upload is aborted. With `replace=False` an
-        existing object is never clobbered (`FileExistsError`): through the store's
-        conditional write (S3's `If-None-Match`) where the client has one, and by a check
-        just before committing in any case.
-
-        An upload big enough to go in parts first writes an empty marker object named like
-        a local temporary file (`.{name}.tmp-{host}-{pid}-{random}`), removed once the
-        upload is over: it says who is uploading, so that cleanup aborts only the
-        unfinished uploads of writers that are gone (`_directory.remove_leftovers`)."""
-        key = self.strip(path)
-        if not replace and self.exists(path):
-            raise FileExistsError(path)
-        if _buffers_locally(self.fs):
-            # The memory store commits a file the moment it is opened: build the bytes
-            # first, then put them in one step (under a lock: the store lives in this
-            # process, so the check and the put are then one step for every writer).
-            buffer = _Buffer()
-            write(buffer)
-            with _MEMORY_LOCK:
-                if not replace and self.exists(path):
-                    raise FileExistsError(path)
-                self.fs.pipe_file(key, bytes(buffer.data))
-            return
-        with client_errors(path):
-            self._upload(path, key, write, replace)
-        self._fresh(path)
-
-    def _upload(self, path: str, key: str, write: Writer, replace: bool) -> None:
-        try:
-            self._upload_once(path, key, write, replace, not replace and self._conditional)
-        except _ConditionRefused:
-            # The store does not do conditional writes: from now on rely on the check just
-            # before completing.
-            self._conditional = False
-            self._upload_once(path, key, write, replace, False)
-
-    def _upload_once(
-        self, path: str, key: str, write: Writer, replace: bool, conditional: bool
-    ) -> None:
-        head, _, name = path.rpartition("/")
-        marker = _UploadMarker(self, f"{head}/{_names.temp_name(name)}")
-        stream = self._open_for_upload(key, conditional)
-        try:
-            write(_MarkedStream(stream, marker))
-            if not replace and self.exists(path):
-                raise FileExistsError(path)
-            try:
-                stream.close()
-            except OSError as error:
-                # The store refused the completion: S3 answers a failed If-None-Match with
-                # "412 Precondition Failed", which clients report in various ways.
-                if not replace and self.exists(path):
-                    raise FileExistsError(path) from None
-                if conditional and error.errno in (errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise _ConditionRefused from error  # "501 Not Implemented"
-                raise
-        except BaseException:
-            if not stream.closed:
-                with contextlib.suppress(Exception):
-                    stream.discard()
-                # A discarded file must never be closed: closing commits what was written
-                # (its finaliser would try to).
-                stream.closed = True
-            else:
-                with contextlib.suppress(Exception):  # a refused completion leaves parts
-                    self._abort_key(key, stream)
-            raise
-        finally:
-            marker.remove()
-
-    def _open_for_upload(self, key: str, conditional: bool) -> Any:
-        if conditional:
-            with contextlib.suppress(ValueError, NotImplementedError, TypeError):
-                # "xb": the client asks the store to refuse the completion if the object
-                # exists by then (s3fs sends If-None-Match: *).
-                return self.fs.open(key, "xb", block_size=_PART_BYTES)
-        return self.fs.open(key, "wb", block_size=_PART_BYTES)
-
-    def _abort_key(self, key: str, stream: Any) -> None:
-        upload = getattr(stream, "mpu", None)
-        if upload and upload.get("UploadId"):
-            bucket, _, name = key.partition("/")
-            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name,
-                            UploadId=upload["UploadId"])  # fmt: skip
-
-    def open(self, path: str) -> Source:
-        return _ObjectSource(self, path, invalid(path))
-
-    @staticmethod
-    def identity_of(info: Mapping[str, Any]) -> Any:
-        for key in ("ETag", "etag", "md5Hash", "generation", "VersionId"):
-            if info.get(key):
-                return (key, info[key], info.get("size"))
-        return ("created", info.get("created"), info.get("size"))
-
-    def identity(self, path: str) -> Any:
-        info = self.info(path)
-        return None if info is None else self.identity_of(info)
-
-    def remove(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError, OSError):
-            self.fs.rm_file(self.strip(path))
-        self._fresh(path)
-
-    def remove_dir_if_empty(self, path: str) -> None:
-        if _buffers_locally(self.fs):
-            with contextlib.suppress(Exception):
-                if not self.fs.ls(self.strip(path)):
-                    self.fs.rmdir(self.strip(path))
-
-    def unfinished_uploads(self, directory: str) -> list[Upload]:
-        """The multipart uploads begun under `directory` and never completed (S3; other
-        stores either have none or expire them themselves), every page of the listing."""
-        call = getattr(self.fs, "call_s3", None)
-        if call is None:
-            return []
-        bucket, _, prefix = self.strip(directory).strip("/").partition("/")
-        prefix = prefix.rstrip("/") + "/" if prefix else ""
-        found: list[Upload] = []
-        markers: dict[str, str] = {}
-        while True:
-            try:
-                page = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
-            except Exception:
-                return found  # cleanup is best effort: a listing error never fails a save
-            for upload in page.get("Uploads") or []:
-                key = str(upload.get("Key", ""))
-                if key.startswith(prefix) and upload.get("UploadId"):
-                    started = _timestamp(upload.get("Initiated"))
-                    found.append(Upload(key[len(prefix) :], str(upload["UploadId"]), started))
-            if not page.get("IsTruncated"):
-                return found
-            markers = {
-                "KeyMarker": page.get("NextKeyMarker", ""),
-                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
-            }
-            if not markers["KeyMarker"]:
-                return found
-
-    def abort_upload(self, directory: str, upload: Upload) -> None:
-        bucket, _, prefix = self.strip(directory).strip("/").partition("/")
-        key = (prefix.rstrip("/") + "/" if prefix else "") + upload.name
-        with contextlib.suppress(Exception):  # already completed or aborted: nothing to do
-            self.fs.call_s3(
-                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
-            )
-
-
-def _timestamp(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, datetime.datetime):
-        return value.timestamp()
-    return None
-
-
-_CLIENT_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google"}
-
-
-@contextlib.contextmanager
-def client_errors(url: str) -> Iterator[None]:
-    """Errors of the object-store client (botocore's `NoCredentialsError`, a refused
-    connection...) become `OSError`s that name the URL; `OSError`s pass unchanged."""
-    try:
-        yield
-    except OSError:
-        raise
-    except Exception as error:
-        if type(error).__module__.partition(".")[0] not in _CLIENT_MODULES:
-            raise
-        raise OSError(f"{url}: {type(error).__name__}: {error}") from error
-
-
-class _UploadMarker:
-    """The empty object that names the writer of a multipart upload in progress; written
-    just before the upload's first part, removed when the upload is over."""
-
-    def __init__(self, store: ObjectStorage, path: str):
-        self.store, self.path, self.written = store, path, False
-
-    def write(self) -> None:
-        self.store.fs.pipe_file(self.store.strip(self.path), b"")
-        self.written = True
-
-    def remove(self) -> None:
-        # Best effort: a marker left behind is removed by cleanup once its writer is gone,
-        # and must neither fail a committed upload nor hide the error of a failed one.
-        if self.written:
-            with contextlib.suppress(Exception):
-                self.store.remove(self.path)
-
-
-class _MarkedStream:
-    """An upload stream that writes the upload's marker before the first part goes out
-    (the client starts a multipart upload once it holds `_PART_BYTES`): small uploads are
-    one request, and need no marker."""
-
-    def __init__(self, stream: Any, marker: _UploadMarker):
-        self._stream, self._marker, self._held = stream, marker, 0
-
-    def write(self, chunk: Any) -> int:
-        before = self._held // _PART_BYTES
-        self._held += memoryview(chunk).nbytes
-        if self._held // _PART_BYTES > before:
-            # Before each part: the marker's age is the time since the writer last made
-            # progress, so cleanup elsewhere never takes a long live upload for a dead one.
-            self._marker.write()
-        return self._stream.write(chunk)
-
-
-_MEMORY_LOCK = threading.Lock()
-
-
-class _Buffer:
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, chunk: Any) -> int:
-        self.data += chunk
-        return len(chunk)
-
-
-def _buffers_locally(fs: Any) -> bool:
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    return isinstance(fs, MemoryFileSystem)
-
-
-# --------------------------------------------------------------------------------- resolving
-
-
-_LOCAL = LocalStorage()
-
-
-_URL_SCHEMES = {*_EXTRAS, "memory", "file", "local"}
-_COLLAPSED_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
-
-
-def is_url(path: str) -> bool:
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and scheme.replace("+", "").replace("-", "").isalnum()
-
-
-def resolve(
-    path: str | os.PathLike[str],
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    caller: str,
-) -> tuple[Storage, str]:
-    """The storage for a checkpoint location, and the location as that storage names it
-    (a local path, or a URL). `storage_options` go to the fsspec filesystem (credentials,
-    endpoint); the standard environment variables (`AWS_ENDPOINT_URL`, ...) apply too."""
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise TypeError(f"{caller}: expected a path or URL string, got {text!r}.")
-    if not is_url(text):
-        collapsed = _COLLAPSED_URL.match(text)
-        if collapsed and not isinstance(path, str) and collapsed[1].lower() in _URL_SCHEMES:
-            raise ValueError(
-                f"{caller}: {text!r} looks like a URL that pathlib collapsed ('//' became "
-                "'/'); pass URLs as strings."
-            )
-        return _LOCAL, text
-    scheme, _, rest = text.partition("://")
-    protocol = scheme.lower()
-    if protocol in ("file", "local"):
-        if not rest.startswith("/"):
-            raise ValueError(f"{caller}: {text!r} is not an absolute file:// URL.")
-        return _LOCAL, rest
-    if "?" in rest or "#" in rest:
-        raise ValueError(
-            f"{caller}: {text!r} has a query or fragment ('?' or '#'); checkpoint URLs are "
-            "plain locations such as s3://bucket/run (options go in storage_options=)."
-        )
-    rest = rest.rstrip("/")
-    if protocol in _EXTRAS and not rest.lstrip("/"):
-        raise ValueError(f"{caller}: {text!r} names no bucket; expected {protocol}://bucket/run.")
-    try:
-        import fsspec
-    except ImportError:  # pragma: no cover - fsspec is a dependency
-        raise ImportError(f"{caller}: {text} needs fsspec: pip install fsspec") from None
-    try:
-        cls = fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as error:
-        extra = _EXTRAS.get(protocol)
-        hint = (
-            f"pip install 'eqx_train[{extra}]'" if extra else f"an fsspec backend for {protocol}://"
-        )
-        raise ImportError(
-            f"{caller}: cannot open {text}: the {protocol}:// backend is not installed "
-            f"({error}); install it with {hint}."
-        ) from None
-    options = dict(storage_options or {})
-    if _accepts_listings_cache(cls):
-        options.setdefault("use_listings_cache", False)
-    fs = cls(**options)
-    return ObjectStorage(protocol, fs), f"{protocol}://{rest}"
-
-
-def _accepts_listings_cache(cls: type) -> bool:
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    return not issubclass(cls, MemoryFileSystem)
