@@ -44,7 +44,13 @@ _OCDBT_MANIFEST = "manifest.ocdbt"
 _LEGACY_NAME = "checkpoint"  # orbax before _METADATA: one msgpack file of the tree
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _TMP_MARK = ".orbax-checkpoint-tmp"
-_MAX_METADATA_BYTES = 1 << 30
+# About 140 bytes a leaf: room for ~470k leaves. JSON parses to up to ~20x its size in
+# Python objects, so this also bounds what a hostile file can make us allocate.
+_MAX_METADATA_BYTES = 64 << 20
+# A chunk is decoded whole even when the array is smaller: a hostile `.zarray` may declare
+# a tiny array with a huge chunk, and tensorstore aborts the process when that allocation
+# fails. Orbax's chunks are at most the array (a shard of it); allow small slack.
+_CHUNK_SLACK_BYTES = 1 << 20
 _SEQUENCE, _DICT = 1, 2
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": None}
@@ -418,9 +424,24 @@ class OrbaxReader:
                 raise self.bad(f"array {short(name)} has the unsupported dtype {store.dtype}")
             if len(shape) > MAX_NDIM or too_big(shape, dtype.itemsize):
                 raise self.bad(f"array {short(name)} has an impossible shape {shape}")
+            self._check_chunks(name, store, shape, dtype)
             self._check_fits([name], {name: (shape, dtype)})
             self._stores[name] = store
             self._shapes[name] = (shape, dtype)
+
+    def _check_chunks(
+        self, name: str, store: Any, shape: tuple[int, ...], dtype: np.dtype
+    ) -> None:
+        layout = store.chunk_layout
+        limit = max(math.prod(shape) * dtype.itemsize, _CHUNK_SLACK_BYTES)
+        for grid in (layout.read_chunk, layout.write_chunk):
+            chunk = tuple(int(d) for d in grid.shape or ())
+            if chunk and math.prod(chunk) * dtype.itemsize > limit:
+                raise self.bad(
+                    f"array {short(name)} of shape {shape} declares chunks of shape {chunk}, "
+                    f"{math.prod(chunk) * dtype.itemsize} bytes each, more than the array "
+                    "itself (a chunk is decoded whole)"
+                )
 
     def _check_fits(
         self, names: Sequence[str], shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
