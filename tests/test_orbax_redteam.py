@@ -70,3 +70,52 @@ def test_metadata_larger_than_64_mib_is_refused_before_it_is_parsed(tmp_path):
         f.write(" " * (64 << 20))
     with pytest.raises(CheckpointFormatError, match=r"has \d+ bytes, more than 67108864"):
         load_orbax_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------ diff
+
+
+def _diff_pair(tmp_path, a: dict, b: dict) -> tuple[str, str]:
+    from eqx_train.checkpoints import save_checkpoint
+
+    return save_checkpoint(tmp_path / "a", a, 1), save_checkpoint(tmp_path / "b", b, 1)
+
+
+@pytest.mark.parametrize(
+    "dtype, low, high",
+    [(np.uint64, 2**64 - 2, 2**64 - 1), (np.int64, 2**62, 2**62 + 1), (np.int64, -(2**63), 2**62)],
+)
+def test_diff_reports_the_exact_gap_of_64_bit_integers(tmp_path, capsys, dtype, low, high):
+    from eqx_train._cli import main
+
+    a, b = _diff_pair(tmp_path, {"w": np.array([low], dtype)}, {"w": np.array([high], dtype)})
+    assert main(["diff", a, b]) == 1
+    assert f"1 of 1 elements, max abs diff {float(high - low):.6g}\n" in capsys.readouterr().out
+
+
+def test_diff_of_floats_whose_difference_overflows_reports_inf_without_a_warning(
+    tmp_path, capsys
+):
+    # pytest runs with warnings as errors: a RuntimeWarning here fails the test.
+    from eqx_train._cli import main
+
+    a, b = _diff_pair(tmp_path, {"w": np.array([1.7e308])}, {"w": np.array([-1.7e308])})
+    for tolerance in ([], ["--atol", "1"]):
+        assert main(["diff", a, b, *tolerance]) == 1
+        assert "1 of 1 elements" in (out := capsys.readouterr().out)
+        assert "max abs diff inf" in out
+
+
+def test_diff_with_a_tolerance_of_empty_and_mismatched_arrays(tmp_path, capsys):
+    from eqx_train._cli import main
+
+    a, b = _diff_pair(
+        tmp_path,
+        {"e": np.zeros((0, 3), np.float32), "s": np.zeros(3, np.float32), "d": np.zeros(2)},
+        {"e": np.zeros((0, 3), np.float32), "s": np.zeros(4, np.float32), "d": np.zeros(2, "f4")},
+    )
+    assert main(["diff", a, b, "--atol", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "differs: s A float32[3], B float32[4]" in out
+    assert "differs: d A float64[2], B float32[2]" in out
+    assert "1 of 3 tensors equal within atol=1, rtol=0\n" in out
