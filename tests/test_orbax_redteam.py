@@ -119,3 +119,81 @@ def test_diff_with_a_tolerance_of_empty_and_mismatched_arrays(tmp_path, capsys):
     assert "differs: s A float32[3], B float32[4]" in out
     assert "differs: d A float64[2], B float32[2]" in out
     assert "1 of 3 tensors equal within atol=1, rtol=0\n" in out
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def _load_in_subprocess(path) -> str:
+    """load_orbax_checkpoint(path) in a child with a deadline: a reader that blocks forever
+    fails the test instead of hanging the suite. Returns the error it printed."""
+    script = textwrap.dedent(
+        f"""
+        from eqx_train.checkpoints import CheckpointFormatError
+        from eqx_train.interop import load_orbax_checkpoint
+        try:
+            load_orbax_checkpoint({str(path)!r})
+        except CheckpointFormatError as error:
+            print(error)
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _ocdbt_checkpoint(tmp_path):
+    path = tmp_path / "ocdbt"
+    ocp.PyTreeCheckpointer().save(path, {"w": np.arange(3.0)})
+    return path
+
+
+@pytest.mark.parametrize("where", ["manifest.ocdbt", "plain .zarray", "plain chunk"])
+def test_a_fifo_inside_the_checkpoint_is_refused_without_blocking(tmp_path, where):
+    if where == "manifest.ocdbt":
+        path = _ocdbt_checkpoint(tmp_path)
+        fifo = path / "manifest.ocdbt"
+    else:
+        path, _ = _plain_checkpoint(tmp_path)
+        fifo = path / "w" / (".zarray" if where == "plain .zarray" else "0")
+    fifo.unlink()
+    os.mkfifo(fifo)
+    assert f"{fifo} is not a regular file" in _load_in_subprocess(path)
+
+
+def test_a_fifo_behind_a_symlinked_directory_is_refused(tmp_path):
+    path = _ocdbt_checkpoint(tmp_path)
+    (path / "d").rename(tmp_path / "elsewhere")
+    (path / "d").symlink_to(tmp_path / "elsewhere")
+    os.mkfifo(tmp_path / "elsewhere" / "extra")
+    assert "extra is not a regular file" in _load_in_subprocess(path)
+
+
+def test_an_oversized_sparse_manifest_is_refused_before_it_is_read(tmp_path):
+    # tensorstore read a sparse 8 GiB manifest whole (8 GiB resident, ~50 s).
+    path = _ocdbt_checkpoint(tmp_path)
+    with open(path / "manifest.ocdbt", "r+b") as f:
+        f.truncate((64 << 20) + 1)
+    with pytest.raises(CheckpointFormatError, match=r"manifest.ocdbt has 67108865 bytes, more"):
+        load_orbax_checkpoint(path)
+
+
+def test_an_oversized_sparse_chunk_file_of_the_plain_layout_is_refused(tmp_path):
+    path, _ = _plain_checkpoint(tmp_path)
+    with open(path / "w" / "0", "r+b") as f:
+        f.truncate(256 << 20)
+    with pytest.raises(CheckpointFormatError, match=r"a chunk file of array 'w', has 268435456"):
+        load_orbax_checkpoint(path)
+
+
+def test_a_symlinked_item_and_a_symlink_loop_are_read_or_refused_cleanly(tmp_path):
+    real = _ocdbt_checkpoint(tmp_path)
+    os.symlink(real, real / "d" / "loop")  # a link back up: walked once
+    (tmp_path / "run" / "12").mkdir(parents=True)
+    (tmp_path / "run" / "12" / "model").symlink_to(real)
+    (tmp_path / "run" / "12" / "_CHECKPOINT_METADATA").write_text("{}")
+    out = load_orbax_checkpoint(tmp_path / "run")
+    assert out["w"].tobytes() == np.arange(3.0).tobytes()

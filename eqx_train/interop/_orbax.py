@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ _MAX_METADATA_BYTES = 64 << 20
 # a tiny array with a huge chunk, and tensorstore aborts the process when that allocation
 # fails. Orbax's chunks are at most the array (a shard of it); allow small slack.
 _CHUNK_SLACK_BYTES = 1 << 20
+# tensorstore reads an OCDBT manifest, and in the plain layout a chunk file, whole: a
+# sparse file of any size costs nothing on disk. Real manifests are a few KiB.
+_MAX_MANIFEST_BYTES = 64 << 20
 _SEQUENCE, _DICT = 1, 2
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": None}
@@ -247,6 +251,7 @@ class OrbaxReader:
         self.metadata_path = os.path.join(directory, METADATA_NAME)
         self._ts = _tensorstore()
         self._parse_metadata()
+        self._check_files()
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -372,6 +377,50 @@ class OrbaxReader:
                 raise bad(f"{where} names the array {short(name)}, not a plain name")
         return _Leaf(tuple(keys), tuple(kinds), value_type, skip)
 
+    def _check_files(self) -> None:
+        """Refuses what tensorstore would block on (a FIFO, a device: its reads never end)
+        or read whole into memory (an oversized manifest), anywhere below the directory,
+        through symbolic links too, before tensorstore opens anything."""
+        seen: set[tuple[int, int]] = set()
+        for root, dirs, files in os.walk(self.path, followlinks=True):
+            info = os.stat(root)
+            if (info.st_dev, info.st_ino) in seen:  # a link back up: walked already
+                dirs[:] = []
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            for name in files:
+                full = os.path.join(root, name)
+                try:
+                    info = os.stat(full)
+                except OSError:  # a dangling link: tensorstore's own error names it
+                    continue
+                if not stat.S_ISREG(info.st_mode):
+                    raise self.bad(f"{full} is not a regular file (a FIFO or a device?)")
+                if name == _OCDBT_MANIFEST and info.st_size > _MAX_MANIFEST_BYTES:
+                    raise self.bad(
+                        f"{full} has {info.st_size} bytes, more than {_MAX_MANIFEST_BYTES}"
+                    )
+
+    def _check_chunk_files(self, name: str, store: Any, dtype: np.dtype) -> None:
+        """In the plain layout each chunk is one file that tensorstore reads whole: none may
+        be much larger than its chunk decoded (compression only adds a small header)."""
+        if self.use_ocdbt:
+            return  # the database's data files are read by byte ranges
+        chunk = store.chunk_layout.write_chunk.shape or store.shape
+        limit = 2 * math.prod(int(d) for d in chunk) * dtype.itemsize + _CHUNK_SLACK_BYTES
+        for root, _, files in os.walk(os.path.join(self.path, name), followlinks=True):
+            for file in files:
+                full = os.path.join(root, file)
+                try:
+                    size = os.stat(full).st_size
+                except OSError:
+                    continue
+                if size > limit:
+                    raise self.bad(
+                        f"{full}, a chunk file of array {short(name)}, has {size} bytes, "
+                        f"more than a chunk can take ({limit})"
+                    )
+
     # ------------------------------------------------------------------ arrays
 
     def _spec(self, name: str) -> dict[str, Any]:
@@ -425,6 +474,7 @@ class OrbaxReader:
             if len(shape) > MAX_NDIM or too_big(shape, dtype.itemsize):
                 raise self.bad(f"array {short(name)} has an impossible shape {shape}")
             self._check_chunks(name, store, shape, dtype)
+            self._check_chunk_files(name, store, dtype)
             self._check_fits([name], {name: (shape, dtype)})
             self._stores[name] = store
             self._shapes[name] = (shape, dtype)
