@@ -93,9 +93,7 @@ def test_diff_reports_the_exact_gap_of_64_bit_integers(tmp_path, capsys, dtype, 
     assert f"1 of 1 elements, max abs diff {float(high - low):.6g}\n" in capsys.readouterr().out
 
 
-def test_diff_of_floats_whose_difference_overflows_reports_inf_without_a_warning(
-    tmp_path, capsys
-):
+def test_diff_of_floats_whose_difference_overflows_reports_inf_without_a_warning(tmp_path, capsys):
     # pytest runs with warnings as errors: a RuntimeWarning here fails the test.
     from eqx_train._cli import main
 
@@ -197,3 +195,35 @@ def test_a_symlinked_item_and_a_symlink_loop_are_read_or_refused_cleanly(tmp_pat
     (tmp_path / "run" / "12" / "_CHECKPOINT_METADATA").write_text("{}")
     out = load_orbax_checkpoint(tmp_path / "run")
     assert out["w"].tobytes() == np.arange(3.0).tobytes()
+
+
+# ------------------------------------------------------------------------------ run directories
+
+
+def test_a_run_directory_with_steps_named_two_ways_is_refused_not_guessed(tmp_path, capsys):
+    from eqx_train._cli import main
+
+    run = tmp_path / "run"
+    ocp.PyTreeCheckpointer().save(run / "checkpoint_3", {"w": np.arange(3.0)})
+    ocp.PyTreeCheckpointer().save(run / "backup_99", {"w": np.zeros(3)})
+    with pytest.raises(CheckpointFormatError, match=r"named in 2 ways \(backup_99, checkpoint_3\)"):
+        load_orbax_checkpoint(run)
+    assert main(["convert-orbax", str(run), str(tmp_path / "dst")]) != 0
+    assert "named in 2 ways" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"step_format_fixed_length": 5}, {"step_prefix": "run", "step_format_fixed_length": 3}],
+)
+def test_the_latest_step_of_a_manager_with_padded_or_prefixed_step_names(tmp_path, options):
+    with ocp.CheckpointManager(
+        tmp_path, options=ocp.CheckpointManagerOptions(**options), item_names=("model",)
+    ) as manager:
+        for step in (2, 9, 10):
+            manager.save(
+                step, args=ocp.args.Composite(model=ocp.args.PyTreeSave({"s": np.full(1, step)}))
+            )
+        manager.wait_until_finished()
+    assert load_orbax_checkpoint(tmp_path, item="model")["s"].tolist() == [10]

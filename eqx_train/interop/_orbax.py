@@ -179,11 +179,30 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
             )
         return os.path.join(path, item)
     if kind == "run":
+        _one_naming(path, names)
         return resolve(names[-1], item, caller)
     raise CheckpointFormatError(
         f"{path} is not an Orbax checkpoint: it holds no {METADATA_NAME} or "
         f"{_OCDBT_MANIFEST}, no item directories and no step directories."
     )
+
+
+def _one_naming(path: str, directories: list[str]) -> None:
+    """Refuses a run directory whose steps are named in several ways (`checkpoint_3` beside
+    `backup_99`): which is the latest is then a guess, and a wrong guess restores the wrong
+    run without a word."""
+    prefixes: dict[str, str] = {}
+    for directory in directories:
+        name = os.path.basename(directory)
+        match = _STEP_NAME.fullmatch(name)
+        if match is not None:
+            prefixes.setdefault(name[: match.start(1)], name)
+    if len(prefixes) > 1:
+        raise CheckpointFormatError(
+            f"{path} holds Orbax checkpoints named in {len(prefixes)} ways "
+            f"({', '.join(sorted(prefixes.values()))}): which one is the latest is "
+            "ambiguous; pass the checkpoint or step directory to read."
+        )
 
 
 def _step_of(directory: str) -> int | None:
