@@ -415,7 +415,9 @@ def _convert_orbax(args: argparse.Namespace) -> int:
         # Checkpoints are added in step order: refuse before writing anything.
         raise CommandError(
             f"{args.dst} already holds step {held[-1]:g}; the steps to convert "
-            f"({', '.join(str(step) for step, _ in found)}) must all be newer"
+            f"({', '.join(str(step) for step, _ in found)}) must all be newer (resuming an "
+            "interrupted conversion? its finished steps are valid: convert into a new DST "
+            "and move them over, or pass the remaining step directories one by one)"
         )
     for step, directory in found:
         try:

@@ -227,3 +227,64 @@ def test_the_latest_step_of_a_manager_with_padded_or_prefixed_step_names(tmp_pat
             )
         manager.wait_until_finished()
     assert load_orbax_checkpoint(tmp_path, item="model")["s"].tolist() == [10]
+
+
+# ------------------------------------------------------------------------------ convert-orbax
+
+
+KILLED_CONVERT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from eqx_train._cli import main
+
+    src, dst, victim = sys.argv[1:4]
+    for name in ("replace", "link", "rename"):
+        real = getattr(os, name)
+
+        def move(a, b, *rest, _real=real, **kw):
+            # Dies just before the converted step `victim` would become visible in DST.
+            if os.path.basename(os.fspath(b)).startswith(victim):
+                print("KILL-POINT before", b, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _real(a, b, *rest, **kw)
+
+        setattr(os, name, move)
+    main(["convert-orbax", src, dst])
+    print("SURVIVED", flush=True)
+    """
+)
+
+
+def test_convert_orbax_killed_mid_conversion_leaves_dst_valid_with_the_steps_done(tmp_path):
+    from flax.training import checkpoints as flax_checkpoints
+
+    from eqx_train.checkpoints import available_steps, restore_checkpoint
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for step in (1, 2):
+        flax_checkpoints.save_checkpoint(
+            src, {"w": np.full(4, step, np.float32)}, step=step, keep=2
+        )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-u", "-c", KILLED_CONVERT, str(src), str(dst), "checkpoint_2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == -9 and "KILL-POINT before" in done.stdout, done.stderr[-2000:]
+    assert "checkpoint_1 ->" in done.stdout  # the kill landed after step 1, inside step 2
+    assert available_steps(dst) == [1]
+    restored = restore_checkpoint(dst, None)
+    assert restored["w"].tobytes() == np.full(4, 1, np.float32).tobytes()
+    # Running it again says how to go on rather than only refusing.
+    again = subprocess.run(
+        [sys.executable, "-m", "eqx_train", "convert-orbax", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert again.returncode != 0 and "resuming an interrupted conversion?" in again.stderr
+    assert available_steps(dst) == [1]
