@@ -498,9 +498,7 @@ class OrbaxReader:
             self._stores[name] = store
             self._shapes[name] = (shape, dtype)
 
-    def _check_chunks(
-        self, name: str, store: Any, shape: tuple[int, ...], dtype: np.dtype
-    ) -> None:
+    def _check_chunks(self, name: str, store: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
         layout = store.chunk_layout
         limit = max(math.prod(shape) * dtype.itemsize, _CHUNK_SLACK_BYTES)
         for grid in (layout.read_chunk, layout.write_chunk):
