@@ -288,3 +288,25 @@ def test_convert_orbax_killed_mid_conversion_leaves_dst_valid_with_the_steps_don
     )
     assert again.returncode != 0 and "resuming an interrupted conversion?" in again.stderr
     assert available_steps(dst) == [1]
+
+
+def test_inspect_of_a_run_with_steps_named_two_ways_names_them_not_a_guessed_latest(
+    tmp_path, capsys
+):
+    from eqx_train._cli import main
+
+    run = tmp_path / "run"
+    ocp.PyTreeCheckpointer().save(run / "checkpoint_3", {"w": np.arange(3.0)})
+    ocp.PyTreeCheckpointer().save(run / "backup_99", {"w": np.zeros(3)})
+    assert main(["inspect", str(run)]) == 1
+    captured = capsys.readouterr()
+    assert "latest" not in captured.out
+    assert "named in 2 ways (backup_99, checkpoint_3)" in captured.err
+
+
+def test_two_leaves_saved_under_one_orbax_name_are_refused_where_orbax_loses_one(tmp_path):
+    # orbax writes {"a.b": x, "a": {"b": y}} as one array named a.b and restores x twice.
+    path = tmp_path / "clash"
+    ocp.PyTreeCheckpointer().save(path, {"a.b": np.ones(2), "a": {"b": np.zeros(2)}})
+    with pytest.raises(CheckpointFormatError, match="two leaves are both named 'a.b'"):
+        load_orbax_checkpoint(path)

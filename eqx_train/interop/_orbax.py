@@ -115,7 +115,8 @@ def _steps(path: str) -> list[tuple[int, str]]:
 
 def layout(path: str) -> tuple[str, list[str]]:
     """What an Orbax directory is: ("checkpoint", []), ("step", its item names), ("run",
-    its step directories, oldest first), or ("", []) when it is not Orbax."""
+    its step directories, oldest first), or ("", []) when it is not Orbax. A run whose
+    steps are named in several ways raises `CheckpointFormatError`."""
     if not os.path.isdir(path):
         return "", []
     if is_pytree_checkpoint(path):
@@ -126,7 +127,9 @@ def layout(path: str) -> tuple[str, list[str]]:
     if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
         return "step", items
     if steps:
-        return "run", [directory for _, directory in steps]
+        directories = [directory for _, directory in steps]
+        _one_naming(path, directories)
+        return "run", directories
     return "", []
 
 
@@ -179,7 +182,6 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
             )
         return os.path.join(path, item)
     if kind == "run":
-        _one_naming(path, names)
         return resolve(names[-1], item, caller)
     raise CheckpointFormatError(
         f"{path} is not an Orbax checkpoint: it holds no {METADATA_NAME} or "
