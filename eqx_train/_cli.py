@@ -272,27 +272,36 @@ def _difference(
     """(number of differing elements, max |a - b| among them).
 
     Without a tolerance, floats compare by their bits (-0.0 differs from 0.0), except that
-    NaN equals NaN. With `atol`/`rtol`, a float (or complex) element differs only when
+    NaN equals NaN. With `atol`/`rtol`, a float element differs only when
     `|a - b| > atol + rtol * |b|`, as `numpy.isclose` (NaN still equals NaN; an infinity
-    equals only itself). Integers and booleans always compare exactly."""
-    wide = np.complex128 if a.dtype.kind == "c" else np.float64
-    wide_a, wide_b = a.astype(wide), b.astype(wide)
+    equals only itself). Integers and booleans always compare exactly, and their gap is
+    exact (a float64 would round away a difference of 1 between int64s near 2**62)."""
     if a.dtype.kind in "biu":
         differs = a != b
-    else:
-        both_nan = np.isnan(wide_a) & np.isnan(wide_b)
+        count = int(np.count_nonzero(differs))
+        if not count:
+            return 0, 0.0
+        if a.dtype.kind == "b":
+            return count, 1.0
+        # The true gap of two 64-bit integers is below 2**64: modulo 2**64 it is exact.
+        high = np.maximum(a[differs], b[differs]).astype(np.uint64)
+        low = np.minimum(a[differs], b[differs]).astype(np.uint64)
+        return count, float(int((high - low).max()))
+    wide = np.complex128 if a.dtype.kind == "c" else np.float64
+    wide_a, wide_b = a.astype(wide), b.astype(wide)
+    both_nan = np.isnan(wide_a) & np.isnan(wide_b)
+    # inf - inf is NaN and 1.7e308 - -1.7e308 overflows to inf: both are meant.
+    with np.errstate(invalid="ignore", over="ignore"):
         if atol or rtol:
-            with np.errstate(invalid="ignore"):  # inf - inf
-                close = np.abs(wide_a - wide_b) <= atol + rtol * np.abs(wide_b)
+            close = np.abs(wide_a - wide_b) <= atol + rtol * np.abs(wide_b)
             differs = ~(close | (wide_a == wide_b) | both_nan)
         else:
             bits_a = a.reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
             bits_b = b.reshape(-1).view(np.uint8).reshape(b.size, b.dtype.itemsize)
             differs = (bits_a != bits_b).any(axis=1).reshape(a.shape) & ~both_nan
-    count = int(np.count_nonzero(differs))
-    if not count:
-        return 0, 0.0
-    with np.errstate(invalid="ignore"):
+        count = int(np.count_nonzero(differs))
+        if not count:
+            return 0, 0.0
         gap = np.abs(wide_a[differs] - wide_b[differs])
     return count, math.nan if np.isnan(gap).all() else float(np.nanmax(gap))
 
@@ -406,7 +415,9 @@ def _convert_orbax(args: argparse.Namespace) -> int:
         # Checkpoints are added in step order: refuse before writing anything.
         raise CommandError(
             f"{args.dst} already holds step {held[-1]:g}; the steps to convert "
-            f"({', '.join(str(step) for step, _ in found)}) must all be newer"
+            f"({', '.join(str(step) for step, _ in found)}) must all be newer (resuming an "
+            "interrupted conversion? its finished steps are valid: convert into a new DST "
+            "and move them over, or pass the remaining step directories one by one)"
         )
     for step, directory in found:
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,16 @@ _OCDBT_MANIFEST = "manifest.ocdbt"
 _LEGACY_NAME = "checkpoint"  # orbax before _METADATA: one msgpack file of the tree
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _TMP_MARK = ".orbax-checkpoint-tmp"
-_MAX_METADATA_BYTES = 1 << 30
+# About 140 bytes a leaf: room for ~470k leaves. JSON parses to up to ~20x its size in
+# Python objects, so this also bounds what a hostile file can make us allocate.
+_MAX_METADATA_BYTES = 64 << 20
+# A chunk is decoded whole even when the array is smaller: a hostile `.zarray` may declare
+# a tiny array with a huge chunk, and tensorstore aborts the process when that allocation
+# fails. Orbax's chunks are at most the array (a shard of it); allow small slack.
+_CHUNK_SLACK_BYTES = 1 << 20
+# tensorstore reads an OCDBT manifest, and in the plain layout a chunk file, whole: a
+# sparse file of any size costs nothing on disk. Real manifests are a few KiB.
+_MAX_MANIFEST_BYTES = 64 << 20
 _SEQUENCE, _DICT = 1, 2
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": None}
@@ -105,7 +115,8 @@ def _steps(path: str) -> list[tuple[int, str]]:
 
 def layout(path: str) -> tuple[str, list[str]]:
     """What an Orbax directory is: ("checkpoint", []), ("step", its item names), ("run",
-    its step directories, oldest first), or ("", []) when it is not Orbax."""
+    its step directories, oldest first), or ("", []) when it is not Orbax. A run whose
+    steps are named in several ways raises `CheckpointFormatError`."""
     if not os.path.isdir(path):
         return "", []
     if is_pytree_checkpoint(path):
@@ -116,7 +127,9 @@ def layout(path: str) -> tuple[str, list[str]]:
     if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
         return "step", items
     if steps:
-        return "run", [directory for _, directory in steps]
+        directories = [directory for _, directory in steps]
+        _one_naming(path, directories)
+        return "run", directories
     return "", []
 
 
@@ -174,6 +187,24 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
         f"{path} is not an Orbax checkpoint: it holds no {METADATA_NAME} or "
         f"{_OCDBT_MANIFEST}, no item directories and no step directories."
     )
+
+
+def _one_naming(path: str, directories: list[str]) -> None:
+    """Refuses a run directory whose steps are named in several ways (`checkpoint_3` beside
+    `backup_99`): which is the latest is then a guess, and a wrong guess restores the wrong
+    run without a word."""
+    prefixes: dict[str, str] = {}
+    for directory in directories:
+        name = os.path.basename(directory)
+        match = _STEP_NAME.fullmatch(name)
+        if match is not None:
+            prefixes.setdefault(name[: match.start(1)], name)
+    if len(prefixes) > 1:
+        raise CheckpointFormatError(
+            f"{path} holds Orbax checkpoints named in {len(prefixes)} ways "
+            f"({', '.join(sorted(prefixes.values()))}): which one is the latest is "
+            "ambiguous; pass the checkpoint or step directory to read."
+        )
 
 
 def _step_of(directory: str) -> int | None:
@@ -241,6 +272,7 @@ class OrbaxReader:
         self.metadata_path = os.path.join(directory, METADATA_NAME)
         self._ts = _tensorstore()
         self._parse_metadata()
+        self._check_files()
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -366,6 +398,50 @@ class OrbaxReader:
                 raise bad(f"{where} names the array {short(name)}, not a plain name")
         return _Leaf(tuple(keys), tuple(kinds), value_type, skip)
 
+    def _check_files(self) -> None:
+        """Refuses what tensorstore would block on (a FIFO, a device: its reads never end)
+        or read whole into memory (an oversized manifest), anywhere below the directory,
+        through symbolic links too, before tensorstore opens anything."""
+        seen: set[tuple[int, int]] = set()
+        for root, dirs, files in os.walk(self.path, followlinks=True):
+            info = os.stat(root)
+            if (info.st_dev, info.st_ino) in seen:  # a link back up: walked already
+                dirs[:] = []
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            for name in files:
+                full = os.path.join(root, name)
+                try:
+                    info = os.stat(full)
+                except OSError:  # a dangling link: tensorstore's own error names it
+                    continue
+                if not stat.S_ISREG(info.st_mode):
+                    raise self.bad(f"{full} is not a regular file (a FIFO or a device?)")
+                if name == _OCDBT_MANIFEST and info.st_size > _MAX_MANIFEST_BYTES:
+                    raise self.bad(
+                        f"{full} has {info.st_size} bytes, more than {_MAX_MANIFEST_BYTES}"
+                    )
+
+    def _check_chunk_files(self, name: str, store: Any, dtype: np.dtype) -> None:
+        """In the plain layout each chunk is one file that tensorstore reads whole: none may
+        be much larger than its chunk decoded (compression only adds a small header)."""
+        if self.use_ocdbt:
+            return  # the database's data files are read by byte ranges
+        chunk = store.chunk_layout.write_chunk.shape or store.shape
+        limit = 2 * math.prod(int(d) for d in chunk) * dtype.itemsize + _CHUNK_SLACK_BYTES
+        for root, _, files in os.walk(os.path.join(self.path, name), followlinks=True):
+            for file in files:
+                full = os.path.join(root, file)
+                try:
+                    size = os.stat(full).st_size
+                except OSError:
+                    continue
+                if size > limit:
+                    raise self.bad(
+                        f"{full}, a chunk file of array {short(name)}, has {size} bytes, "
+                        f"more than a chunk can take ({limit})"
+                    )
+
     # ------------------------------------------------------------------ arrays
 
     def _spec(self, name: str) -> dict[str, Any]:
@@ -418,9 +494,23 @@ class OrbaxReader:
                 raise self.bad(f"array {short(name)} has the unsupported dtype {store.dtype}")
             if len(shape) > MAX_NDIM or too_big(shape, dtype.itemsize):
                 raise self.bad(f"array {short(name)} has an impossible shape {shape}")
+            self._check_chunks(name, store, shape, dtype)
+            self._check_chunk_files(name, store, dtype)
             self._check_fits([name], {name: (shape, dtype)})
             self._stores[name] = store
             self._shapes[name] = (shape, dtype)
+
+    def _check_chunks(self, name: str, store: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        layout = store.chunk_layout
+        limit = max(math.prod(shape) * dtype.itemsize, _CHUNK_SLACK_BYTES)
+        for grid in (layout.read_chunk, layout.write_chunk):
+            chunk = tuple(int(d) for d in grid.shape or ())
+            if chunk and math.prod(chunk) * dtype.itemsize > limit:
+                raise self.bad(
+                    f"array {short(name)} of shape {shape} declares chunks of shape {chunk}, "
+                    f"{math.prod(chunk) * dtype.itemsize} bytes each, more than the array "
+                    "itself (a chunk is decoded whole)"
+                )
 
     def _check_fits(
         self, names: Sequence[str], shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
