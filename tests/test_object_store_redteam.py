@@ -317,9 +317,9 @@ def test_a_bucket_name_the_store_refuses_fails_naming_the_url(s3_server):
 
 
 def test_a_permission_error_while_listing_names_the_url(s3_server, s3_bucket):
-    url = f"{s3_bucket}/run"
-    checkpoints.save_checkpoint(url, {"x": np.ones(2)}, 1, storage_options=s3_server.storage_options)
-    options = {**s3_server.storage_options, "secret": "not-the-secret"}
+    url, good = f"{s3_bucket}/run", s3_server.storage_options
+    checkpoints.save_checkpoint(url, {"x": np.ones(2)}, 1, storage_options=good)
+    options = {**good, "secret": "not-the-secret"}
     for call in (
         lambda: checkpoints.available_steps(url, storage_options=options),
         lambda: checkpoints.latest_checkpoint(url, storage_options=options),
@@ -328,4 +328,4 @@ def test_a_permission_error_while_listing_names_the_url(s3_server, s3_bucket):
     ):
         with pytest.raises(PermissionError, match=re.escape(url)):
             call()
-    assert checkpoints.available_steps(url, storage_options=s3_server.storage_options) == [1]
+    assert checkpoints.available_steps(url, storage_options=good) == [1]
