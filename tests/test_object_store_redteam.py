@@ -268,6 +268,24 @@ def test_a_deadline_that_runs_out_during_retention_deletes_nothing_half(proxied)
     assert checkpoints.available_steps(url, storage_options=options) == [3]
 
 
+def test_listing_a_store_that_stops_answering_fails_at_the_deadline_naming_the_url(proxied):
+    url, options, proxy = proxied
+    checkpoints.save_checkpoint(url, {"x": np.zeros(3)}, 1, storage_options=options)
+    proxy.stall()
+    quick = {**options, "deadline_s": 1}
+    for call in (
+        lambda: checkpoints.available_steps(url, storage_options=quick),
+        lambda: checkpoints.latest_checkpoint(url, storage_options=quick),
+        lambda: checkpoints.CheckpointManager(url, storage_options=quick),
+    ):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=re.escape(url) + ".*deadline of 1 s"):
+            call()
+        assert time.monotonic() - started < 6
+    proxy.release()
+    assert checkpoints.available_steps(url, storage_options=options) == [1]
+
+
 # -------------------------------------------------------------------------------- URLs
 
 
