@@ -199,7 +199,7 @@ def write_and_commit(
 
 def _index_owner(store: Storage, final_dir: str, token: str) -> str:
     """Whose index `final_dir` holds: "ours" (it cites only the pieces of save `token`),
-    "other" (another save's, or none), or "unknown" (the store did not answer)."""
+    "other" (another save's, or none), or "unknown" (it could not be read)."""
     index = store.join(final_dir, _names.INDEX_NAME)
     try:
         with _format.FileReader(index, store.open(index)) as reader:
@@ -207,9 +207,9 @@ def _index_owner(store: Storage, final_dir: str, token: str) -> str:
         cited = {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
     except FileNotFoundError:
         return "other"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return "other"  # not an index this library writes: never ours
     except Exception:
+        # The store did not answer, or the bytes read do not parse (a read cut short looks
+        # like a corrupt file): keeping pieces is always safe, deleting them is not.
         return "unknown"
     tokens = {(_names.parse_piece_file(name) or (0, None))[1] for name in cited}
     return "ours" if tokens == {token} else "other"
