@@ -14,6 +14,8 @@ Rules are tried in order on each request; a matching rule with uses left decides
   client's connection without sending it (the write happened; the client cannot know).
 - `stall`: never forward, never answer; the connection is held open until `release()` or
   `close()` (a store that accepts connections and then freezes).
+- `slow`: forward and answer, but only after `delay_s` (a store that answers slowly but
+  steadily: each request alone is well within the client's timeouts).
 
 Loopback only, and bounded: the listener binds 127.0.0.1, every socket has a timeout, a
 stalled connection is released after `max_stall_s` at the latest, and `close()` ends every
@@ -45,6 +47,7 @@ class _Rule:
     matches: Callable[[Request], bool]
     times: int
     hits: list[Request] = field(default_factory=list)
+    delay_s: float = 0.0
 
 
 class FaultProxy:
@@ -80,27 +83,35 @@ class FaultProxy:
         self._released.clear()
         return self._add("stall", matches, times)
 
+    def slow(
+        self, delay_s: float, matches: Callable[[Request], bool] = lambda r: True, times=10**9
+    ) -> _Rule:
+        """Requests that `matches` are answered, each `delay_s` seconds late."""
+        return self._add("slow", matches, times, delay_s)
+
     def release(self) -> None:
         """Ends every stall: held connections are closed, and no new request stalls."""
         with self._lock:
             self._rules = [r for r in self._rules if r.action != "stall"]
         self._released.set()
 
-    def _add(self, action: str, matches: Callable[[Request], bool], times: int) -> _Rule:
-        rule = _Rule(action, matches, times)
+    def _add(
+        self, action: str, matches: Callable[[Request], bool], times: int, delay_s: float = 0.0
+    ) -> _Rule:
+        rule = _Rule(action, matches, times, delay_s=delay_s)
         with self._lock:
             self._rules.append(rule)
         return rule
 
-    def _fate(self, request: Request) -> str:
+    def _fate(self, request: Request) -> tuple[str, float]:
         with self._lock:
             self.log.append(request)
             for rule in self._rules:
                 if rule.times > len(rule.hits) and rule.matches(request):
                     rule.hits.append(request)
                     request.fate = rule.action
-                    return rule.action
-        return "forwarded"
+                    return rule.action, rule.delay_s
+        return "forwarded", 0.0
 
     # ------------------------------------------------------------------------- plumbing
 
@@ -166,9 +177,11 @@ class FaultProxy:
                         if not line.lower().startswith(b"expect:")
                     )
                 body = _read_body(reader, headers, method=None)
-                fate = self._fate(request)
+                fate, delay_s = self._fate(request)
                 if fate == "stall":
                     self._released.wait(self.max_stall_s)
+                    return
+                if fate == "slow" and self._closing.wait(min(delay_s, self.max_stall_s)):
                     return
                 if upstream is None:
                     upstream = self._track(socket.create_connection(self.target))

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from ._object_storage import DEFAULT_DEADLINE_S, ObjectStorage
 from ._storage import LocalStorage, Storage
@@ -125,9 +128,10 @@ def _check_key(url: str, rest: str, caller: str) -> None:
 
 
 def _deadline(value: Any, caller: str) -> float:
+    # Any real number (NumPy's too, as read from a config), but not a bool: `True` is 1 s.
     if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Real)
         or not math.isfinite(value)
         or value <= 0
     ):

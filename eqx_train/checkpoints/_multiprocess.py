@@ -41,6 +41,9 @@ from ._names import PIECES_KEY
 from ._storage import Storage
 
 _COMMITTED = "committed"
+# The start of process 0's answer when its index write failed without a refusal: the index
+# may be committed, or land later, so no process may delete its pieces.
+_UNSURE = "outcome unknown: "
 
 
 def agree_on_token(timeout_s: int | float, caller: str) -> str:
@@ -104,6 +107,7 @@ def write_and_commit(
     own_piece = store.join(final_dir, _names.piece_file(process, token))
     every_piece = [store.join(final_dir, _names.piece_file(i, token)) for i in range(count)]
     committed = False
+    unsure = False  # whether this save's index may be (or become) committed after all
     try:
         try:
             store.makedirs(final_dir)
@@ -132,6 +136,7 @@ def write_and_commit(
         commit_op = _coordination.next_id("save_commit")
         if process != 0:
             outcome = _coordination.broadcast(commit_op, None, timeout_s=timeout_s, caller=caller)
+            unsure = str(outcome).startswith(_UNSURE)
             if outcome != _COMMITTED:
                 raise RuntimeError(
                     f"{caller}: process 0 did not commit this save ({outcome}); the previous "
@@ -152,18 +157,19 @@ def write_and_commit(
                     lambda out: _format.write_file(out, [], index_metadata),
                     replace=overwrite,
                 )
-            except FileExistsError:
-                # The store refused the index because it exists: a concurrent save's, or
-                # ours, committed by a request whose answer was lost before the client's
-                # retry was refused. Ours cites only this save's pieces.
-                cited = _shards.referenced_pieces(store, final_dir) or set()
-                tokens = {(_names.parse_piece_file(name) or (0, None))[1] for name in cited}
-                if tokens != {token}:
+            except Exception as refusal:
+                # Refused because the index exists (a concurrent save's, or ours, committed
+                # by a request whose answer was lost and whose retry was refused), or no
+                # answer at all: the index may be ours, or may still land. Ours cites only
+                # this save's pieces; unless the store shows another save's index, they stay.
+                whose = _index_owner(store, final_dir, token)
+                if whose != "ours":
+                    unsure = whose == "unknown" or not isinstance(refusal, FileExistsError)
                     raise
         except BaseException as error:
             _coordination.broadcast(
                 commit_op,
-                f"{type(error).__name__}: {error}",
+                (_UNSURE if unsure else "") + f"{type(error).__name__}: {error}",
                 timeout_s=timeout_s,
                 caller=caller,
             )
@@ -178,8 +184,8 @@ def write_and_commit(
             # Only now: the peers return seeing the same checkpoints as process 0.
             _coordination.broadcast(commit_op, _COMMITTED, timeout_s=timeout_s, caller=caller)
     except BaseException as error:
-        if committed:
-            raise
+        if committed or unsure:
+            raise  # an index that may land cites these pieces: cleanup removes them later
         # This save will never commit: take back what it wrote (process 0: every
         # process's pieces of this token), so no uncommitted litter stays behind.
         _directory.remove_paths(store, every_piece if process == 0 else [own_piece])
@@ -189,6 +195,24 @@ def write_and_commit(
                 f"{error} Nothing was committed: the previous checkpoint is still the latest."
             ) from None
         raise
+
+
+def _index_owner(store: Storage, final_dir: str, token: str) -> str:
+    """Whose index `final_dir` holds: "ours" (it cites only the pieces of save `token`),
+    "other" (another save's, or none), or "unknown" (it could not be read)."""
+    index = store.join(final_dir, _names.INDEX_NAME)
+    try:
+        with _format.FileReader(index, store.open(index)) as reader:
+            arrays = json.loads(reader.metadata[_names.ARRAYS_KEY])
+        cited = {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
+    except FileNotFoundError:
+        return "other"
+    except Exception:
+        # The store did not answer, or the bytes read do not parse (a read cut short looks
+        # like a corrupt file): keeping pieces is always safe, deleting them is not.
+        return "unknown"
+    tokens = {(_names.parse_piece_file(name) or (0, None))[1] for name in cited}
+    return "ours" if tokens == {token} else "other"
 
 
 def _collect_index(

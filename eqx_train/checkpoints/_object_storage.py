@@ -310,8 +310,11 @@ class ObjectStorage:
             try:
                 stream.close()
             except Exception as error:
-                if self._is_ours(path, key, token):
+                ours = self._is_ours(path, key, token)
+                if ours:
                     return  # committed; only the store's answer was lost
+                if ours is None:
+                    raise  # no answer to "whose is it": not proof of a concurrent save
                 # The store refused the completion: S3 answers a failed If-None-Match with
                 # "412 Precondition Failed", which clients report in various ways.
                 if not replace and self.exists(path):
@@ -342,17 +345,20 @@ class ObjectStorage:
                 return self.fs.open(key, "xb", block_size=_PART_BYTES, **signed)
         return self.fs.open(key, "wb", block_size=_PART_BYTES, **signed)
 
-    def _is_ours(self, path: str, key: str, token: str) -> bool:
-        """Whether the object `key` is the upload that carried `token` (False when the
-        store cannot say, or does not answer)."""
+    def _is_ours(self, path: str, key: str, token: str) -> bool | None:
+        """Whether the object `key` is the upload that carried `token`: False when it is
+        absent or another's, or the store keeps no token; None when the store does not
+        answer."""
         call = getattr(self.fs, "call_s3", None)
         if call is None or not _is_s3fs(self.fs):
             return False
         bucket, _, name = key.partition("/")
         try:
             head = self.call(path, call, "head_object", Bucket=bucket, Key=name)
-        except Exception:
+        except FileNotFoundError:
             return False
+        except Exception:
+            return None
         return (head.get("Metadata") or {}).get(_UPLOAD_TOKEN) == token
 
     def _abort_key(self, path: str, key: str, stream: Any) -> None:
