@@ -52,6 +52,56 @@ def _metadata_of(store: _storage.Storage, path: str) -> dict[str, str]:
         return reader.metadata
 
 
+class _SigtermListeners:
+    """The library's one SIGTERM handler and the live managers it tells.
+
+    The handler is installed when the first manager registers and put back (the handler
+    that was there before it) when the last one unregisters, so managers may be closed in
+    any order: a closed manager is never told again, and SIGTERM keeps its usual meaning
+    once none is live. Main thread only (Python sets and runs handlers there)."""
+
+    def __init__(self) -> None:
+        self.managers: list[CheckpointManager] = []
+        self.previous: Any = None
+        self.running = False
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.running:  # a handler installed over ours that chains back to us
+            return
+        self.running = True
+        try:
+            for manager in list(self.managers):
+                manager._sigterm_received = True
+            previous = self.previous
+            if callable(previous):  # a Python handler; never SIG_DFL, which would kill us
+                previous(signum, frame)
+        finally:
+            self.running = False
+
+    def register(self, manager: CheckpointManager) -> None:
+        if signal.getsignal(signal.SIGTERM) != self.handle:
+            # First listener, or someone replaced our handler since: (re)install, chaining
+            # to whatever is there now.
+            self.previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self.handle)
+        self.managers.append(manager)
+
+    def unregister(self, manager: CheckpointManager) -> None:
+        self.managers = [m for m in self.managers if m is not manager]
+        if self.managers or signal.getsignal(signal.SIGTERM) != self.handle:
+            # Others still listen; or a handler was installed over ours and stays (it may
+            # chain to ours, which then only chains on).
+            return
+        previous = self.previous
+        # None: the previous handler was not set from Python; the default is the closest
+        # we can put back.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        self.previous = None
+
+
+_SIGTERM = _SigtermListeners()
+
+
 class CheckpointManager:
     """Saves checkpoints into one directory and decides which to keep.
 
@@ -127,11 +177,14 @@ class CheckpointManager:
     never a step already saved) and the loop that resumes after a preemption.
 
     **Preemption:** with `handle_sigterm=True` (the default), the first `should_save` call
-    made on the main thread of a single-process job installs a SIGTERM handler. The handler
-    only records the signal (and calls the handler that was installed before it, if that
-    was a Python function); the next `should_save` answers yes, the loop saves and sees
-    `preempted`, and exits cleanly instead of being killed mid-step. `close()` (or leaving
-    the `with` block) puts the previous handler back. A manager whose `should_save` is never
+    made on the main thread of a single-process job registers the manager with the
+    library's SIGTERM handler (installed by the first such manager). The handler only
+    records the signal in every live registered manager (and calls the handler that was
+    installed before it, if that was a Python function); the next `should_save` answers
+    yes, the loop saves and sees `preempted`, and exits cleanly instead of being killed
+    mid-step. `close()` (or leaving the `with` block) unregisters the manager, and the
+    last one to close puts the previous handler back, whatever order several managers are
+    closed in. A manager whose `should_save` is never
     called never touches signals, so SIGTERM keeps its usual meaning for code that calls
     `save` by hand. In a multi-process job no handler is installed: JAX's preemption
     service (started by `jax.distributed.initialize`) listens for the signal itself, and
@@ -223,8 +276,7 @@ class CheckpointManager:
         self._latest_known = False
         self._sigterm_received = False
         self._preempted = False
-        self._sigterm_handler: Any = None
-        self._previous_sigterm_handler: Any = None
+        self._listens = False  # registered with the library's SIGTERM handler
 
     # ------------------------------------------------------------------ saving
 
@@ -455,7 +507,7 @@ class CheckpointManager:
     def _install_sigterm_handler(self) -> None:
         if (
             not self.handle_sigterm
-            or self._sigterm_handler is not None
+            or self._listens
             # Multi-process: JAX's preemption notifier owns SIGTERM (replacing its handler
             # would hide preemptions from the sync point).
             or jax.process_count() > 1
@@ -463,29 +515,13 @@ class CheckpointManager:
             or threading.current_thread() is not threading.main_thread()
         ):
             return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self._sigterm_received = True
-            if callable(previous):  # a Python handler; never SIG_DFL, which would kill us
-                previous(signum, frame)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._sigterm_handler = on_sigterm
-        self._previous_sigterm_handler = previous
+        _SIGTERM.register(self)
+        self._listens = True
 
     def _restore_sigterm_handler(self) -> None:
-        handler = self._sigterm_handler
-        if handler is None or threading.current_thread() is not threading.main_thread():
-            return
-        # If someone installed a handler over ours, theirs stays (it may chain to ours,
-        # which still only records the signal).
-        if signal.getsignal(signal.SIGTERM) is handler:
-            previous = self._previous_sigterm_handler
-            # None: the previous handler was not set from Python; the default is the
-            # closest we can put back.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        self._sigterm_handler = None
+        if self._listens and threading.current_thread() is threading.main_thread():
+            _SIGTERM.unregister(self)
+            self._listens = False
 
     def _listing(self) -> list[_files.Entry]:
         return _files.list_checkpoints(self._store, self.directory, self.prefix)
