@@ -24,7 +24,7 @@ from ._async import AsyncManager
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
-_RESTORE_ATTEMPTS = 5
+RESTORE_ATTEMPTS = 5
 
 
 def save_checkpoint(
@@ -416,7 +416,7 @@ def restore_checkpoint(
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     named_gone: FileNotFoundError | None = None
-    for attempt in range(_RESTORE_ATTEMPTS):
+    for attempt in range(RESTORE_ATTEMPTS):
         path, listed = _resolve(store, where, step, prefix)
         if path is None:
             if named_gone is not None:
@@ -428,10 +428,28 @@ def restore_checkpoint(
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
-            if attempt + 1 == _RESTORE_ATTEMPTS:
+            if attempt + 1 == RESTORE_ATTEMPTS:
                 raise
             named_gone = None if listed else error
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def restore_path(
+    store: _storage.Storage,
+    path: str,
+    target: Any,
+    *,
+    strict: bool = True,
+    parallel: bool = True,
+    verify: bool = True,
+) -> Any:
+    """Restores the checkpoint at `path` (a file or a `.shards` directory, as listed) into
+    `target`. Raises `FileNotFoundError` if it is gone (or was replaced while being read):
+    the caller lists again."""
+    if not store.exists(path):
+        raise FileNotFoundError(path)
+    with open_reader(store, path) as reader:
+        return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
 
 
 def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:

@@ -79,7 +79,8 @@ def find_step(listing: list[Entry], value: Decimal) -> Entry | None:
 
 
 _LISTING_ATTEMPTS = 5
-Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
+# Given the checkpoints (one entry per step, oldest first), the step texts to delete.
+Retention = Callable[[list["Entry"]], list[str]]
 
 
 def check_keep(keep: Any, caller: str) -> None:
@@ -147,7 +148,8 @@ def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention
     check_keep(keep, caller)
     check_keep_every_n_steps(keep_every_n_steps, caller)
 
-    def retention(steps: list[tuple[Decimal, str]]) -> list[str]:
+    def retention(entries: list[Entry]) -> list[str]:
+        steps = [(e.value, e.text) for e in entries]
         return steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
 
     return retention
@@ -174,9 +176,8 @@ def apply_retention(
     preferred: dict[Decimal, Entry] = {}
     for e in live:
         preferred[e.value] = e  # the listing's order puts the preferred spelling last
-    steps = [(e.value, e.text) for e in preferred.values()]
     by_text = {e.text: e.value for e in preferred.values()}
-    values = {by_text[text] for text in retention(steps)}
+    values = {by_text[text] for text in retention(list(preferred.values()))}
     doomed += [e for e in live if e.value in values]
     for entry in doomed:
         if entry.path != just_written:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
@@ -18,9 +20,15 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _files, _names, _storage
+from . import _coordination, _files, _format, _names, _storage
 from ._async import AsyncManager
-from ._checkpoints import open_reader, restore_checkpoint, save_pipeline
+from ._checkpoints import (
+    RESTORE_ATTEMPTS,
+    open_reader,
+    restore_checkpoint,
+    restore_path,
+    save_pipeline,
+)
 
 T = TypeVar("T")
 _METRICS_KEY = "eqx_train.metrics"
@@ -42,8 +50,15 @@ _DECISION_OF = {text: pair for pair, text in _DECISIONS.items()}
 
 
 class UnreadableCheckpointWarning(UserWarning):
-    """A checkpoint in a manager's directory could not be read while ranking by metric; it
-    counts as having no metric (it is kept only as one of the latest)."""
+    """A checkpoint in a manager's directory could not be read: while ranking by metric it
+    counts as having no metric (it is kept only as one of the latest); when
+    `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
+    that verifies instead, and this warning names each one skipped."""
+
+
+def _preferred(listing: list[_files.Entry]) -> list[_files.Entry]:
+    """One entry per step (the listing's preferred spelling), oldest first."""
+    return list({e.value: e for e in listing}.values())
 
 
 def _metadata_of(store: _storage.Storage, path: str) -> dict[str, str]:
@@ -61,7 +76,8 @@ class _SigtermListeners:
     once none is live. Main thread only (Python sets and runs handlers there)."""
 
     def __init__(self) -> None:
-        self.managers: list[CheckpointManager] = []
+        # Weak: a manager dropped without `close()` stops listening once it is collected.
+        self.managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
         self.previous: Any = None
         self.running = False
 
@@ -84,11 +100,11 @@ class _SigtermListeners:
             # to whatever is there now.
             self.previous = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self.handle)
-        self.managers.append(manager)
+        self.managers.add(manager)
 
     def unregister(self, manager: CheckpointManager) -> None:
-        self.managers = [m for m in self.managers if m is not manager]
-        if self.managers or signal.getsignal(signal.SIGTERM) != self.handle:
+        self.managers.discard(manager)
+        if len(self.managers) or signal.getsignal(signal.SIGTERM) != self.handle:
             # Others still listen; or a handler was installed over ours and stays (it may
             # chain to ours, which then only chains on).
             return
@@ -450,9 +466,8 @@ class CheckpointManager:
         """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
         if not self.best_metric:
             raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
-        steps = list({e.value: (e.value, e.text) for e in self._listing()}.values())
-        ranked = self._ranked(steps)
-        return _names.step_from_text(ranked[0]) if ranked else None
+        best = self._best_entry("CheckpointManager.best_step")
+        return None if best is None else best.step
 
     def metrics(self, step: _names.Step) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
@@ -464,26 +479,60 @@ class CheckpointManager:
         raw = _metadata_of(self._store, self._path(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
-    def restore(self, target: T, step: _names.Step | Literal["best"] | None = None) -> T:
-        """Restores `step` (default: the latest; `"best"`: the best by `best_metric`) into
-        the structure of `target`, as `restore_checkpoint` does. With no checkpoint and
-        `step=None`, returns `target` unchanged."""
+    def restore(
+        self,
+        target: T,
+        step: _names.Step | Literal["best"] | None = None,
+        *,
+        fallback: bool = True,
+    ) -> T:
+        """Restores a checkpoint into the structure of `target`, as `restore_checkpoint`
+        does.
+
+        **Arguments:**
+
+        - `target`: the pytree to fill (see `restore_checkpoint`).
+        - `step`: `None` for the latest checkpoint, `"best"` for the best by
+          `best_metric`, or a step number.
+        - `fallback`: only for `step=None`: if the latest checkpoint is corrupt (truncated,
+          a failed checksum, a missing piece: `CheckpointFormatError`), restore the newest
+          older one that reads and verifies instead, with an `UnreadableCheckpointWarning`
+          naming each checkpoint skipped. `False` raises the error instead. A checkpoint
+          that reads fine but does not match `target` is never skipped (that is an error
+          in the target), and a requested step or `"best"` never falls back.
+
+        **Returns:**
+
+        The restored pytree; `target` unchanged when there is no checkpoint and
+        `step=None`.
+
+        **Raises:**
+
+        `ValueError` when `step` is missing, when `"best"` finds no checkpoint with a
+        usable metric, or when the checkpoint does not match `target`;
+        `CheckpointFormatError` when the checkpoint asked for is corrupt (with `fallback`:
+        when every checkpoint is).
+
+        A checkpoint removed by a concurrent save's retention while it was being chosen or
+        read (the trainer saving while an evaluator restores) is chosen again from a fresh
+        listing.
+
+        In a multi-process job, call it on every process: the processes agree on which
+        checkpoint to fall back to, so a corruption only one process reads makes all of
+        them skip it.
+        """
         self.wait()
         if step == "best":
-            best = self.best_step()
-            if best is None:
-                raise ValueError(
-                    f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
-                    f"usable '{self.best_metric}' metric."
-                )
-            step = best
-        return restore_checkpoint(
-            self.directory,
-            target,
-            step=step,
-            prefix=self.prefix,
-            storage_options=self.storage_options,
-        )
+            return self._restore_best(target)
+        if step is not None or not fallback:
+            return restore_checkpoint(
+                self.directory,
+                target,
+                step=step,
+                prefix=self.prefix,
+                storage_options=self.storage_options,
+            )
+        return self._restore_latest_that_verifies(target)
 
     # ------------------------------------------------------------------ internals
 
@@ -535,41 +584,148 @@ class CheckpointManager:
             f"available steps: {self.all_steps()}."
         )
 
-    def _metric_of(self, path: str) -> float | None:
+    def _metric_of(self, path: str) -> tuple[float | None, str | None]:
+        """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
+        Raises `FileNotFoundError` if the checkpoint is gone."""
         try:
             raw = _metadata_of(self._store, path).get(_METRICS_KEY)
             metrics = json.loads(raw) if raw else None
+        except FileNotFoundError:
+            raise
         except (OSError, ValueError) as error:
-            if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
-                if not self._store.is_local:
-                    # An unreachable store says nothing about the checkpoint: never let a
-                    # network error make retention delete the best one.
-                    raise
-            warnings.warn(
-                f"CheckpointManager: cannot read the metrics of {path} ({error}); it counts "
-                "as having none.",
-                UnreadableCheckpointWarning,
-                stacklevel=3,
-            )
-            return None
+            if isinstance(error, OSError) and not self._store.is_local:
+                # An unreachable store says nothing about the checkpoint: never let a
+                # network error make retention delete the best one.
+                raise
+            return None, str(error)
         value = metrics.get(self.best_metric or "") if isinstance(metrics, dict) else None
         if value is None or not isinstance(value, int | float) or math.isnan(value):
-            return None
-        return float(value)
+            return None, None
+        return float(value), None
 
-    def _ranked(self, steps: list[tuple[Decimal, str]]) -> list[str]:
-        """Step texts with a usable metric, best first (ties: newer first)."""
-        paths = {e.text: e.path for e in self._listing()}
-        scored = [(self._metric_of(paths[text]), value, text) for value, text in steps]
-        usable = [(m, value, text) for m, value, text in scored if m is not None]
+    def _ranked(self, entries: list[_files.Entry], *, gone_ok: bool) -> list[_files.Entry]:
+        """`entries` with a usable metric, best first (ties: newer first). The metrics are
+        read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
+        or raises `FileNotFoundError` (so that the caller lists again)."""
+
+        def score(entry: _files.Entry) -> tuple[float | None, str | None]:
+            try:
+                return self._metric_of(entry.path)
+            except FileNotFoundError:
+                if gone_ok:
+                    return None, None
+                raise
+
+        scores = _storage.run_parallel([functools.partial(score, e) for e in entries])
+        for entry, (_, problem) in zip(entries, scores, strict=True):
+            if problem is not None:
+                warnings.warn(
+                    f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
+                    "it counts as having none.",
+                    UnreadableCheckpointWarning,
+                    stacklevel=4,
+                )
+        usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
         sign = 1.0 if self.mode == "min" else -1.0
-        usable.sort(key=lambda item: (sign * item[0], -item[1]))
-        return [text for _, _, text in usable]
+        usable.sort(key=lambda item: (sign * item[0], -item[1].value))
+        return [e for _, e in usable]
 
-    def _to_delete(self, steps: list[tuple[Decimal, str]]) -> list[str]:
-        keep = {text for _, text in steps[-self.keep_latest :]}
-        if self.keep_best:
-            keep.update(self._ranked(steps)[: self.keep_best])
+    def _best_entry(self, caller: str) -> _files.Entry | None:
+        """The best checkpoint by `best_metric`, ranked on one listing; listed again if
+        retention removed a checkpoint while its metric was being read."""
+        for attempt in range(RESTORE_ATTEMPTS):
+            try:
+                ranked = self._ranked(_preferred(self._listing()), gone_ok=False)
+            except FileNotFoundError:
+                if attempt + 1 == RESTORE_ATTEMPTS:
+                    raise
+                continue
+            return ranked[0] if ranked else None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _restore_best(self, target: T) -> T:
+        for attempt in range(RESTORE_ATTEMPTS):
+            best = self._best_entry("CheckpointManager.restore")
+            if best is None:
+                raise ValueError(
+                    f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
+                    f"usable '{self.best_metric}' metric."
+                )
+            try:
+                return restore_path(self._store, best.path, target)
+            except FileNotFoundError:
+                # The trainer's retention removed it (a better one arrived): rank again.
+                if attempt + 1 == RESTORE_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _restore_latest_that_verifies(self, target: T) -> T:
+        """The newest checkpoint that restores without a `CheckpointFormatError`, warning
+        for each one skipped; the processes of a multi-process job decide together."""
+        caller = "CheckpointManager.restore"
+        skipped: dict[str, _format.CheckpointFormatError] = {}
+        multiprocess = jax.process_count() > 1
+        relists = 0
+        listing = _preferred(self._listing())
+        while True:
+            candidates = [e for e in reversed(listing) if e.path not in skipped]
+            if not candidates:
+                if skipped:
+                    listed = "; ".join(f"{p}: {e}" for p, e in skipped.items())
+                    raise _format.CheckpointFormatError(
+                        f"{caller}: no checkpoint in {self.directory} verifies: {listed}"
+                    )
+                return target
+            entry = candidates[0]
+            outcome, restored = "ok", target
+            try:
+                restored = restore_path(self._store, entry.path, target)
+            except _format.CheckpointFormatError as error:
+                skipped[entry.path] = error
+                outcome = f"corrupt: {error}"
+            except FileNotFoundError:
+                outcome = "gone"
+            if multiprocess:
+                # Each process reads only its devices' pieces: a corruption one of them
+                # sees must make every one skip that checkpoint.
+                seen = _coordination.gather(
+                    _coordination.next_id("restore_fallback"),
+                    json.dumps([entry.path, outcome]),
+                    timeout_s=self.timeout_s,
+                    caller=caller,
+                )
+                reports = [json.loads(r) for r in seen]
+                if any(path != entry.path or o == "gone" for path, o in reports):
+                    outcome = "gone"  # listings differ, or one raced retention: list again
+                else:
+                    bad = [o for _, o in reports if o != "ok"]
+                    if bad and outcome == "ok":
+                        outcome = bad[0]
+                        skipped[entry.path] = _format.CheckpointFormatError(
+                            f"{entry.path}: another process found it {bad[0]}"
+                        )
+            if outcome == "ok":
+                for path, error in skipped.items():
+                    warnings.warn(
+                        f"{caller}: skipped the corrupt checkpoint {path} ({error}); restored "
+                        f"step {entry.text} from {entry.path} instead. Pass fallback=False "
+                        "to raise instead.",
+                        UnreadableCheckpointWarning,
+                        stacklevel=3,
+                    )
+                return restored
+            if outcome == "gone":
+                relists += 1
+                if relists == RESTORE_ATTEMPTS:
+                    raise FileNotFoundError(
+                        f"{caller}: the checkpoints of {self.directory} kept changing while "
+                        f"being restored ({entry.path} vanished)"
+                    )
+                listing = _preferred(self._listing())
+
+    def _to_delete(self, entries: list[_files.Entry]) -> list[str]:
+        steps = [(e.value, e.text) for e in entries]
+        keep = {e.text for e in entries[-self.keep_latest :]}
         kept_by_flax_rule = set(
             text for _, text in steps[: max(len(steps) - self.keep_latest, 0)]
         ) - set(
@@ -578,7 +734,10 @@ class CheckpointManager:
             )
         )
         keep.update(kept_by_flax_rule)
-        return [text for _, text in steps if text not in keep]
+        if self.keep_best and len(keep) < len(entries):
+            # Metrics are read only when some checkpoint might go.
+            keep.update(e.text for e in self._ranked(entries, gone_ok=True)[: self.keep_best])
+        return [e.text for e in entries if e.text not in keep]
 
     def _encode_metrics(self, metrics: Mapping[str, ArrayLike] | None) -> str:
         if metrics is None:
