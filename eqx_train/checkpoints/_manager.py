@@ -319,10 +319,15 @@ class CheckpointManager:
         Raises the error of a failed previous background save, if any.
         """
         began = _clock()
-        extra = {
-            _METRICS_KEY: self._encode_metrics(metrics),
-            _USER_METADATA_KEY: self._encode_metadata(metadata),
-        }
+
+        def extra() -> dict[str, str]:
+            # Encoded inside the save, so that a bad value on one process of a multi-process
+            # job fails the save on all of them.
+            return {
+                _METRICS_KEY: self._encode_metrics(metrics),
+                _USER_METADATA_KEY: self._encode_metadata(metadata),
+            }
+
         path = save_pipeline(
             self.directory,
             state,
