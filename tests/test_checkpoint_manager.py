@@ -302,10 +302,10 @@ def test_restore_best_racing_the_trainers_retention_restores_the_new_best(
     real = _manager._metadata_of
     reads, lock = [], threading.Lock()
 
-    def racing(store, path):
-        metadata = real(store, path)
+    def racing(store, entry):
+        metadata = real(store, entry)
         with lock:
-            reads.append(path)
+            reads.append(entry)
             fire = len(reads) == retention_after_read
         if fire:
             trainer.save(4, _state(4), metrics={"loss": 0.05})  # the old best goes

@@ -24,7 +24,6 @@ from . import _coordination, _files, _format, _names, _storage
 from ._async import AsyncManager
 from ._checkpoints import (
     RESTORE_ATTEMPTS,
-    open_reader,
     restore_checkpoint,
     restore_path,
     save_pipeline,
@@ -61,9 +60,11 @@ def _preferred(listing: list[_files.Entry]) -> list[_files.Entry]:
     return list({e.value: e for e in listing}.values())
 
 
-def _metadata_of(store: _storage.Storage, path: str) -> dict[str, str]:
-    """A checkpoint's metadata (a file's, or a `.shards` index's); reads no tensor data."""
-    with open_reader(store, path) as reader:
+def _metadata_of(store: _storage.Storage, entry: _files.Entry) -> dict[str, str]:
+    """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
+    opened directly (it is known to be a file or a `.shards` directory)."""
+    path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
+    with _format.FileReader(path, store.open(path)) as reader:
         return reader.metadata
 
 
@@ -293,6 +294,9 @@ class CheckpointManager:
         self._sigterm_received = False
         self._preempted = False
         self._listens = False  # registered with the library's SIGTERM handler
+        # (path, listed version) -> what `_metric_of` read: on an object store, retention
+        # and "best" then read only the metrics of checkpoints not seen before.
+        self._metric_cache: dict[tuple[str, Any], tuple[float | None, str | None]] = {}
 
     # ------------------------------------------------------------------ saving
 
@@ -476,12 +480,12 @@ class CheckpointManager:
 
     def metrics(self, step: _names.Step) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = _metadata_of(self._store, self._path(step)).get(_METRICS_KEY)
+        raw = _metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
         return None if raw is None else json.loads(raw)
 
     def metadata(self, step: _names.Step) -> dict[str, Any] | None:
         """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = _metadata_of(self._store, self._path(step)).get(_USER_METADATA_KEY)
+        raw = _metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
     def restore(
@@ -580,20 +584,20 @@ class CheckpointManager:
     def _listing(self) -> list[_files.Entry]:
         return _files.list_checkpoints(self._store, self.directory, self.prefix)
 
-    def _path(self, step: _names.Step) -> str:
+    def _entry(self, step: _names.Step) -> _files.Entry:
         found = _files.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
         if found is not None:
-            return found.path
+            return found
         raise ValueError(
             f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
             f"available steps: {self.all_steps()}."
         )
 
-    def _metric_of(self, path: str) -> tuple[float | None, str | None]:
+    def _metric_of(self, entry: _files.Entry) -> tuple[float | None, str | None]:
         """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
         Raises `FileNotFoundError` if the checkpoint is gone."""
         try:
-            raw = _metadata_of(self._store, path).get(_METRICS_KEY)
+            raw = _metadata_of(self._store, entry).get(_METRICS_KEY)
             metrics = json.loads(raw) if raw else None
         except FileNotFoundError:
             raise
@@ -613,15 +617,27 @@ class CheckpointManager:
         read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
         or raises `FileNotFoundError` (so that the caller lists again)."""
 
+        cache = self._metric_cache
+
         def score(entry: _files.Entry) -> tuple[float | None, str | None]:
+            # A checkpoint never changes but by being replaced, which changes the version
+            # the listing reports: what was read for that version stays true.
+            key = (entry.path, entry.identity)
+            if entry.identity is not None and key in cache:
+                return cache[key]
             try:
-                return self._metric_of(entry.path)
+                found = self._metric_of(entry)
             except FileNotFoundError:
                 if gone_ok:
                     return None, None
                 raise
+            if entry.identity is not None:
+                cache[key] = found
+            return found
 
         scores = _storage.run_parallel([functools.partial(score, e) for e in entries])
+        listed = {(e.path, e.identity) for e in entries}
+        self._metric_cache = {k: v for k, v in cache.items() if k in listed}
         for entry, (_, problem) in zip(entries, scores, strict=True):
             if problem is not None:
                 warnings.warn(

@@ -46,6 +46,7 @@ class Item:
     is_dir: bool
     is_file: bool  # a regular file (or object), following symlinks
     modified: float | None = None  # seconds since the epoch, where the listing says
+    identity: Any = None  # where the listing says (an ETag): equal for the same version
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Storage(Protocol):
     def join(self, directory: str, name: str) -> str: ...
 
     def list(self, directory: str) -> list[Item]: ...
+
+    def find(self, directory: str, prefix: str) -> list[Item]: ...
 
     def is_file(self, path: str) -> bool: ...
 
@@ -185,6 +188,23 @@ class LocalStorage:
             except OSError:
                 continue
         return items
+
+    def find(self, directory: str, prefix: str) -> list[Item]:
+        """The files whose path relative to `directory` starts with `prefix` (names
+        relative to `directory`), down to one subdirectory: all a checkpoint layout has."""
+        found = []
+        for item in self.list(directory):
+            if not item.name.startswith(prefix):
+                continue
+            if item.is_dir:
+                found += [
+                    Item(f"{item.name}/{sub.name}", sub.path, False, True)
+                    for sub in self.list(item.path)
+                    if sub.is_file
+                ]
+            elif item.is_file:
+                found.append(item)
+        return found
 
     def is_file(self, path: str) -> bool:
         try:
@@ -402,6 +422,31 @@ class ObjectStorage:
                 Item(
                     name, self.join(directory, name), kind == "directory", kind == "file", modified
                 )
+            )
+        return items
+
+    def find(self, directory: str, prefix: str) -> list[Item]:
+        """Every object whose key relative to `directory` starts with `prefix`, at any
+        depth (names relative to `directory`): one listing request per 1000 keys on S3
+        (no delimiter; the store filters by prefix), however many checkpoints there are."""
+        self._fresh(directory)
+        base = self.strip(directory).rstrip("/")
+        try:
+            with client_errors(directory):
+                try:
+                    entries = self.fs.find(base, prefix=prefix, detail=True)
+                except TypeError:  # a client whose find has no prefix filter
+                    entries = self.fs.find(base, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        items = []
+        for key, e in sorted(entries.items()):
+            name = str(key).removeprefix(base + "/")
+            if e.get("type") != "file" or name == str(key) or not name.startswith(prefix):
+                continue
+            modified = _timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
+            items.append(
+                Item(name, self.join(directory, name), False, True, modified, self.identity_of(e))
             )
         return items
 
