@@ -698,7 +698,7 @@ class CheckpointManager:
                     )
                 return target
             entry = candidates[0]
-            outcome, restored = "ok", target
+            outcome, restored, failure = "ok", target, None
             try:
                 restored = restore_path(self._store, entry.path, target)
             except _format.CheckpointFormatError as error:
@@ -706,6 +706,10 @@ class CheckpointManager:
                 outcome = f"corrupt: {error}"
             except FileNotFoundError:
                 outcome = "gone"
+            except Exception as error:  # e.g. a target mismatch: no fallback
+                if not multiprocess:
+                    raise
+                failure, outcome = error, f"failed: {type(error).__name__}: {error}"
             if multiprocess:
                 # Each process reads only its devices' pieces: a corruption one of them
                 # sees must make every one skip that checkpoint.
@@ -716,6 +720,14 @@ class CheckpointManager:
                     caller=caller,
                 )
                 reports = [json.loads(r) for r in seen]
+                failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
+                if failure is not None:
+                    raise failure
+                if failed:
+                    raise RuntimeError(
+                        f"{caller}: process {failed[0][0]} could not restore {entry.path} "
+                        f"({failed[0][1].removeprefix('failed: ')})."
+                    )
                 if any(path != entry.path or o == "gone" for path, o in reports):
                     outcome = "gone"  # listings differ, or one raced retention: list again
                 else:
