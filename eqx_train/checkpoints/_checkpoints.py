@@ -186,16 +186,20 @@ def save_pipeline(
             planned = error
 
         def commit() -> None:
+            mine = planned
             if jax.process_index() == 0:
-                _files.remove_leftovers(
-                    store, ckpt_dir, prefix, keep_token=token, current=final_path
-                )
+                try:
+                    _files.remove_leftovers(
+                        store, ckpt_dir, prefix, keep_token=token, current=final_path
+                    )
+                except Exception as error:  # reported with the pieces: all give up at once
+                    mine = error
             _multiprocess.write_and_commit(
                 store,
                 final_path,
                 token,
                 key,
-                planned,
+                mine,
                 tensors,
                 metadata,
                 timeout_s=timeout_s,
