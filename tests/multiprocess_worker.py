@@ -256,19 +256,19 @@ elif mode == "desync":
     save(1, 1, timeout_s=60)
     # Process 1 fails before the opening exchange (a leaf it cannot save): every process
     # fails this save, and at once, not after the timeout.
-    real_describe = checkpoints._checkpoints._format.describe
+    real_describe = checkpoints._api._description.describe
 
     def refuse_once(*args, **kwargs):
-        checkpoints._checkpoints._format.describe = real_describe
+        checkpoints._api._description.describe = real_describe
         raise TypeError("injected: process 1 cannot describe its tree")
 
     if pid == 1:
-        checkpoints._checkpoints._format.describe = refuse_once
+        checkpoints._api._description.describe = refuse_once
     fails_everywhere(2, 2, "injected", "process 1 (TypeError: injected", timeout_s=60)
     save(3, 3, timeout_s=60)  # the next save works
     # The same with a fixed step and overwrite: never a checkpoint of two saves' rows.
     if pid == 1:
-        checkpoints._checkpoints._format.describe = refuse_once
+        checkpoints._api._description.describe = refuse_once
     fails_everywhere(3, 30, "injected", "process 1 (TypeError: injected", overwrite=True,
                      timeout_s=60)  # fmt: skip
     save(3, 31, overwrite=True, timeout_s=60)

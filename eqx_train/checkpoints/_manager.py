@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
@@ -20,18 +20,13 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _files, _format, _names, _storage
+from . import _coordination, _directory, _errors, _format, _names, _storage
+from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
-from ._checkpoints import (
-    RESTORE_ATTEMPTS,
-    restore_checkpoint,
-    restore_path,
-    save_pipeline,
-)
+from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
+from ._restore import RESTORE_ATTEMPTS, restore_entry
 
 T = TypeVar("T")
-_METRICS_KEY = "eqx_train.metrics"
-_USER_METADATA_KEY = "eqx_train.user_metadata"
 
 # The clock of the time-based save policy; a module attribute so that tests can swap in a
 # fake one. Monotonic, so that a wall-clock jump (NTP, a VM resumed) never forces or skips
@@ -55,12 +50,12 @@ class UnreadableCheckpointWarning(UserWarning):
     that verifies instead, and this warning names each one skipped."""
 
 
-def _preferred(listing: list[_files.Entry]) -> list[_files.Entry]:
+def _preferred(listing: list[_directory.Entry]) -> list[_directory.Entry]:
     """One entry per step (the listing's preferred spelling), oldest first."""
     return list({e.value: e for e in listing}.values())
 
 
-def _metadata_of(store: _storage.Storage, entry: _files.Entry) -> dict[str, str]:
+def _metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, str]:
     """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
     opened directly (it is known to be a file or a `.shards` directory)."""
     path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
@@ -241,7 +236,7 @@ class CheckpointManager:
             )
         if mode not in ("min", "max"):
             raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
-        _files.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
+        _directory.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
         if not prefix:
             raise ValueError("CheckpointManager: prefix must be a non-empty file name prefix.")
         _names.check_prefix(prefix, "CheckpointManager")
@@ -286,7 +281,7 @@ class CheckpointManager:
         self.handle_sigterm = handle_sigterm
         self._async = AsyncManager() if async_save else None
         self._store.makedirs(self.directory)
-        _files.remove_leftovers(self._store, self.directory, self.prefix)
+        _directory.remove_leftovers(self._store, self.directory, self.prefix)
         # The save policy's state. Only process 0's copy decides (`_coordination.decide`).
         self._last_save_began = _clock()
         self._latest_saved: Decimal | None = None  # read from the directory on first use
@@ -581,11 +576,11 @@ class CheckpointManager:
             _SIGTERM.unregister(self)
             self._listens = False
 
-    def _listing(self) -> list[_files.Entry]:
-        return _files.list_checkpoints(self._store, self.directory, self.prefix)
+    def _listing(self) -> list[_directory.Entry]:
+        return _directory.list_checkpoints(self._store, self.directory, self.prefix)
 
-    def _entry(self, step: _names.Step) -> _files.Entry:
-        found = _files.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
+    def _entry(self, step: _names.Step) -> _directory.Entry:
+        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
         if found is not None:
             return found
         raise ValueError(
@@ -593,7 +588,7 @@ class CheckpointManager:
             f"available steps: {self.all_steps()}."
         )
 
-    def _metric_of(self, entry: _files.Entry) -> tuple[float | None, str | None]:
+    def _metric_of(self, entry: _directory.Entry) -> tuple[float | None, str | None]:
         """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
         Raises `FileNotFoundError` if the checkpoint is gone."""
         try:
@@ -612,14 +607,14 @@ class CheckpointManager:
             return None, None
         return float(value), None
 
-    def _ranked(self, entries: list[_files.Entry], *, gone_ok: bool) -> list[_files.Entry]:
+    def _ranked(self, entries: list[_directory.Entry], *, gone_ok: bool) -> list[_directory.Entry]:
         """`entries` with a usable metric, best first (ties: newer first). The metrics are
         read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
         or raises `FileNotFoundError` (so that the caller lists again)."""
 
         cache = self._metric_cache
 
-        def score(entry: _files.Entry) -> tuple[float | None, str | None]:
+        def score(entry: _directory.Entry) -> tuple[float | None, str | None]:
             # A checkpoint never changes but by being replaced, which changes the version
             # the listing reports: what was read for that version stays true.
             key = (entry.path, entry.identity)
@@ -635,7 +630,9 @@ class CheckpointManager:
                 cache[key] = found
             return found
 
-        scores = _storage.run_parallel([functools.partial(score, e) for e in entries])
+        # Concurrently: on an object store each read is a request, latency-bound.
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:
+            scores = list(pool.map(score, entries))
         listed = {(e.path, e.identity) for e in entries}
         self._metric_cache = {k: v for k, v in cache.items() if k in listed}
         for entry, (_, problem) in zip(entries, scores, strict=True):
@@ -651,7 +648,7 @@ class CheckpointManager:
         usable.sort(key=lambda item: (sign * item[0], -item[1].value))
         return [e for _, e in usable]
 
-    def _best_entry(self, caller: str) -> _files.Entry | None:
+    def _best_entry(self, caller: str) -> _directory.Entry | None:
         """The best checkpoint by `best_metric`, ranked on one listing; listed again if
         retention removed a checkpoint while its metric was being read."""
         for attempt in range(RESTORE_ATTEMPTS):
@@ -673,7 +670,7 @@ class CheckpointManager:
                     f"usable '{self.best_metric}' metric."
                 )
             try:
-                return restore_path(self._store, best.path, target)
+                return restore_entry(self._store, best, target)
             except FileNotFoundError:
                 # The trainer's retention removed it (a better one arrived): rank again.
                 if attempt + 1 == RESTORE_ATTEMPTS:
@@ -684,7 +681,7 @@ class CheckpointManager:
         """The newest checkpoint that restores without a `CheckpointFormatError`, warning
         for each one skipped; the processes of a multi-process job decide together."""
         caller = "CheckpointManager.restore"
-        skipped: dict[str, _format.CheckpointFormatError] = {}
+        skipped: dict[str, _errors.CheckpointFormatError] = {}
         multiprocess = jax.process_count() > 1
         relists = 0
         listing = _preferred(self._listing())
@@ -693,15 +690,15 @@ class CheckpointManager:
             if not candidates:
                 if skipped:
                     listed = "; ".join(f"{p}: {e}" for p, e in skipped.items())
-                    raise _format.CheckpointFormatError(
+                    raise _errors.CheckpointFormatError(
                         f"{caller}: no checkpoint in {self.directory} verifies: {listed}"
                     )
                 return target
             entry = candidates[0]
             outcome, restored, failure = "ok", target, None
             try:
-                restored = restore_path(self._store, entry.path, target)
-            except _format.CheckpointFormatError as error:
+                restored = restore_entry(self._store, entry, target)
+            except _errors.CheckpointFormatError as error:
                 skipped[entry.path] = error
                 outcome = f"corrupt: {error}"
             except FileNotFoundError:
@@ -734,7 +731,7 @@ class CheckpointManager:
                     bad = [o for _, o in reports if o != "ok"]
                     if bad and outcome == "ok":
                         outcome = bad[0]
-                        skipped[entry.path] = _format.CheckpointFormatError(
+                        skipped[entry.path] = _errors.CheckpointFormatError(
                             f"{entry.path}: another process found it {bad[0]}"
                         )
             if outcome == "ok":
@@ -756,13 +753,13 @@ class CheckpointManager:
                     )
                 listing = _preferred(self._listing())
 
-    def _to_delete(self, entries: list[_files.Entry]) -> list[str]:
+    def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
         steps = [(e.value, e.text) for e in entries]
         keep = {e.text for e in entries[-self.keep_latest :]}
         kept_by_flax_rule = set(
             text for _, text in steps[: max(len(steps) - self.keep_latest, 0)]
         ) - set(
-            _files.steps_to_delete(
+            _directory.steps_to_delete(
                 steps, keep=self.keep_latest, keep_every_n_steps=self.keep_every_n_steps
             )
         )
