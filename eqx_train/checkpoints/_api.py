@@ -16,8 +16,9 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from . import _description, _directory, _format, _multiprocess, _names, _restore, _storage
+from . import _description, _directory, _format, _locations, _multiprocess, _names, _restore
 from ._async import AsyncManager
+from ._storage import Storage
 
 T = TypeVar("T")
 
@@ -125,8 +126,8 @@ def save_pipeline(
     # stay the same on every process).
     number = _multiprocess.begin_save() if multiprocess else None
 
-    def prepare() -> tuple[_storage.Storage, str, Decimal, str, str, Any, list, dict]:
-        store, where = _storage.resolve(ckpt_dir, storage_options, caller=caller)
+    def prepare() -> tuple[Storage, str, Decimal, str, str, Any, list, dict]:
+        store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
         if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
             # On an object store nobody can tell a live writer's uncommitted pieces from a
             # dead one's but by age: other saves remove them after `STALE_S`.
@@ -302,7 +303,7 @@ def latest_checkpoint(
     directory (notes, temporary files, other prefixes) are ignored. `ckpt_dir` may be an
     object-store URL (then `storage_options` as for `save_checkpoint`).
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
     newest = _directory.latest(_directory.list_checkpoints(store, where, prefix))
     return None if newest is None else newest.path
 
@@ -325,7 +326,7 @@ def available_steps(
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="available_steps")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="available_steps")
     listing = _directory.list_checkpoints(store, where, prefix)
     texts = list({e.value: e.text for e in listing}.values())
     if step_type is int:
@@ -392,7 +393,7 @@ def restore_checkpoint(
     expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
         store, where, target, step, prefix, strict=strict, parallel=parallel, verify=verify
     )
