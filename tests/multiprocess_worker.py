@@ -144,6 +144,28 @@ elif mode == "manager":
         _manager._clock = lambda: 1e12
     decisions = [policy.should_save(step) for step in range(7)]
     assert decisions == [True, False, False, True, False, False, True], decisions
+    # A corruption only process 1 reads (its own piece of step 4): both fall back to step 2.
+    import glob
+    import warnings
+
+    from eqx_train.checkpoints import _coordination
+
+    def barrier():
+        _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
+
+    barrier()
+    if pid == 1:
+        (piece,) = glob.glob(os.path.join(directory, "checkpoint_4.shards", "process_00001.*"))
+        with open(piece, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last ^ 0xFF]))
+    barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check(manager.restore(global_tree(0, mesh_1d, P("d"))), 2)
+    assert len(caught) == 1 and "checkpoint_4.shards" in str(caught[0].message), caught
 elif mode == "zero_fails":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
@@ -165,6 +187,122 @@ elif mode == "zero_fails":
         raise AssertionError(f"process {pid}: a save that process 0 failed returned normally")
     assert checkpoints.available_steps(directory) == [1]
     check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 1)
+elif mode == "disagree":
+    checkpoints.save_checkpoint_multiprocess(
+        directory, global_tree(1, mesh_1d, P("d")), 1, keep=1, timeout_s=60
+    )
+
+    def place(x, spec):
+        sharding = NamedSharding(mesh_1d, spec)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    good = global_tree(2, mesh_1d, P("d"))
+    a = values(2)["a"]
+    variants = {  # process 1's tree, and the difference the error must name
+        "dtype": (
+            {**good, "a": place(a.astype(np.float16), P("d"))},
+            "leaf 'a' is float32[8, 6] sharded as NamedSharding(mesh {'d': 4}, ",
+            "'d',)) on process 0 but float16[8, 6] sharded as",
+        ),
+        "shape": ({**good, "a": place(a[:, :5], P("d"))}, "float32[8, 5]"),
+        "sharding": ({**good, "a": place(a, P())}, "on process 1"),
+        "host_local_extra": (
+            {**good, "extra": np.zeros(3)},
+            "leaf 'extra' is saved by process 1 but not by process 0",
+        ),
+        "host_local_vs_global": ({**good, "c": place(values(2)["c"], P())}, "leaf 'c' is"),
+        "structure": (
+            {**good, "s": "one"} if pid == 0 else {**good, "s": "two"},
+            "at 's': the string 'one' vs the string 'two'",
+        ),
+    }
+    for variant, (tree, *expected) in variants.items():
+        mine = tree if pid == 1 or variant == "structure" else good
+        try:
+            checkpoints.save_checkpoint_multiprocess(directory, mine, 2, keep=1, timeout_s=60)
+        except ValueError as error:
+            message = str(error)
+            assert "disagree on what to save" in message, (variant, message)
+            assert all(part in message for part in expected), (variant, message)
+        else:
+            raise AssertionError(f"process {pid}: {variant}: the save did not fail")
+        assert checkpoints.available_steps(directory) == [1], (variant, os.listdir(directory))
+        assert not os.path.exists(os.path.join(directory, "checkpoint_2.shards")), variant
+    try:  # the step itself
+        checkpoints.save_checkpoint_multiprocess(directory, good, 2 + pid, keep=1, timeout_s=60)
+    except ValueError as error:
+        assert "disagree on the step (process 0: '2', process 1: '3')" in str(error), error
+    else:
+        raise AssertionError("a save with different steps did not fail")
+    checkpoints.save_checkpoint_multiprocess(directory, good, 2, keep=1, timeout_s=60)
+    assert checkpoints.available_steps(directory) == [2]
+    check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 2)
+elif mode == "desync":
+    from eqx_train.checkpoints import _multiprocess
+
+    def save(step, tree_step, **kwargs):
+        tree = global_tree(tree_step, mesh_1d, P("d"))
+        return checkpoints.save_checkpoint_multiprocess(directory, tree, step, **kwargs)
+
+    def fails_everywhere(step, tree_step, own_error, peer_error, **kwargs):
+        try:
+            save(step, tree_step, **kwargs)
+        except Exception as error:
+            expected = own_error if pid == 1 else peer_error
+            assert expected in str(error), (step, tree_step, repr(error))
+        else:
+            raise AssertionError(f"process {pid}: a save that process 1 failed succeeded")
+
+    save(1, 1, timeout_s=60)
+    # Process 1 fails before the opening exchange (a leaf it cannot save): every process
+    # fails this save, and at once, not after the timeout.
+    real_describe = checkpoints._api._description.describe
+
+    def refuse_once(*args, **kwargs):
+        checkpoints._api._description.describe = real_describe
+        raise TypeError("injected: process 1 cannot describe its tree")
+
+    if pid == 1:
+        checkpoints._api._description.describe = refuse_once
+    fails_everywhere(2, 2, "injected", "process 1 (TypeError: injected", timeout_s=60)
+    save(3, 3, timeout_s=60)  # the next save works
+    # The same with a fixed step and overwrite: never a checkpoint of two saves' rows.
+    if pid == 1:
+        checkpoints._api._description.describe = refuse_once
+    fails_everywhere(3, 30, "injected", "process 1 (TypeError: injected", overwrite=True,
+                     timeout_s=60)  # fmt: skip
+    save(3, 31, overwrite=True, timeout_s=60)
+    check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 31)
+    # Process 1 fails after the opening exchange, while planning its pieces.
+    real_plan = _multiprocess.plan_pieces
+
+    def plan_fails_once(*args, **kwargs):
+        _multiprocess.plan_pieces = real_plan
+        raise MemoryError("injected: no memory for the pieces")
+
+    if pid == 1:
+        _multiprocess.plan_pieces = plan_fails_once
+    fails_everywhere(3, 32, "injected", "process 1 (MemoryError: injected", overwrite=True,
+                     timeout_s=60)  # fmt: skip
+    save(3, 33, overwrite=True, timeout_s=60)
+    check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 33)
+    # Process 1 skips the opening exchange altogether: process 0 times out, then the
+    # processes pair up again.
+    real_agree = _multiprocess.agree_on_token
+
+    def skip_once(*args, **kwargs):
+        _multiprocess.agree_on_token = real_agree
+        raise RuntimeError("injected: process 1 left before the exchange")
+
+    if pid == 1:
+        _multiprocess.agree_on_token = skip_once
+    fails_everywhere(3, 34, "injected", "processes [1] did not arrive", overwrite=True,
+                     timeout_s=5)  # fmt: skip
+    save(3, 35, overwrite=True, timeout_s=60)
+    check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 35)
+    save(4, 4, timeout_s=60)
+    assert checkpoints.available_steps(directory) == [4]
+    check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 4)
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

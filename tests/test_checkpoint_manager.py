@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from eqx_train import EarlyStopping, TrainState, checkpoints
-from eqx_train.checkpoints import CheckpointManager
+from eqx_train.checkpoints import CheckpointManager, _manager
 from tests.helpers import run_then_sigkill
 
 
@@ -283,3 +283,131 @@ def test_sigkill_during_save_then_rerun_is_clean(tmp_path):
     latest = manager.latest_step()
     restored = manager.restore({"step": np.asarray(0), "w": np.zeros((4, 1 << 20), np.float32)})
     assert int(restored["step"]) == latest and np.all(restored["w"] == latest)
+
+
+# ---------------------------------------------------------------- restore racing retention
+
+
+@pytest.mark.parametrize("retention_after_read", [1, 2])
+def test_restore_best_racing_the_trainers_retention_restores_the_new_best(
+    tmp_path, monkeypatch, retention_after_read
+):
+    """The trainer's save (and its retention, which removes the old best) lands while the
+    evaluator reads the metrics: after the first read, or after the last one."""
+    trainer = CheckpointManager(tmp_path, keep_latest=1, keep_best=1, best_metric="loss")
+    for step, loss in [(1, 0.5), (2, 0.1), (3, 0.3)]:
+        trainer.save(step, _state(step), metrics={"loss": loss})
+    assert trainer.all_steps() == [2, 3]
+    evaluator = CheckpointManager(tmp_path, best_metric="loss", handle_sigterm=False)
+    real = _manager._metadata_of
+    reads, lock = [], threading.Lock()
+
+    def racing(store, entry):
+        metadata = real(store, entry)
+        with lock:
+            reads.append(entry)
+            fire = len(reads) == retention_after_read
+        if fire:
+            trainer.save(4, _state(4), metrics={"loss": 0.05})  # the old best goes
+        return metadata
+
+    monkeypatch.setattr(_manager, "_metadata_of", racing)
+    restored = evaluator.restore(_state(0), step="best")
+    assert trainer.all_steps() == [4]
+    np.testing.assert_array_equal(restored["w"], np.full(4, 4.0))
+
+
+def test_restore_best_while_a_trainer_saves_and_prunes_never_fails(tmp_path):
+    trainer = CheckpointManager(tmp_path, keep_latest=1, keep_best=1, best_metric="loss")
+    trainer.save(0, _state(0), metrics={"loss": 1.0})
+    evaluator = CheckpointManager(tmp_path, best_metric="loss", handle_sigterm=False)
+    done = threading.Event()
+    losses = {0: 1.0}
+
+    def train():
+        try:
+            for step in range(1, 60):
+                losses[step] = 1.0 / (step + 1) if step % 3 else 2.0
+                trainer.save(step, _state(step), metrics={"loss": losses[step]})
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    restores = 0
+    try:
+        while not done.is_set() or restores == 0:
+            restored = evaluator.restore(_state(-1), step="best")
+            step = int(restored["w"][0])
+            assert np.all(restored["w"] == step) and step in losses
+            restores += 1
+    finally:
+        thread.join()
+    assert restores > 0
+
+
+# ---------------------------------------------------------- falling back from a corrupt latest
+
+
+def _corrupt_tensor_data(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def test_restore_falls_back_to_the_newest_checkpoint_that_verifies_warning_of_the_bad_one(
+    tmp_path,
+):
+    manager = CheckpointManager(tmp_path, keep_latest=3)
+    for step in (1, 2, 3, 4):
+        manager.save(step, _state(step))
+    for step in (3, 4):
+        _corrupt_tensor_data(tmp_path / f"checkpoint_{step}.safetensors")
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning) as caught:
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 2.0))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert "checkpoint_4.safetensors" in messages[0] and "checkpoint_3.safetensors" in messages[1]
+    assert all("restored step 2" in m and "fallback=False" in m for m in messages)
+
+
+def test_restore_fallback_false_raises_on_a_corrupt_latest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=2)
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    with pytest.raises(checkpoints.CheckpointFormatError, match="checkpoint_2.safetensors"):
+        manager.restore(_state(0), fallback=False)
+
+
+def test_restore_of_a_requested_step_never_falls_back(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
+    manager.save(1, _state(1), metrics={"loss": 0.5})
+    manager.save(2, _state(2), metrics={"loss": 0.1})
+    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    with pytest.raises(checkpoints.CheckpointFormatError, match="checkpoint_2.safetensors"):
+        manager.restore(_state(0), step=2)
+    with pytest.raises(checkpoints.CheckpointFormatError, match="checkpoint_2.safetensors"):
+        manager.restore(_state(0), step="best")
+
+
+def test_restore_with_every_checkpoint_corrupt_names_them_all(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=2)
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    for step in (1, 2):
+        _corrupt_tensor_data(tmp_path / f"checkpoint_{step}.safetensors")
+    with pytest.raises(checkpoints.CheckpointFormatError, match="no checkpoint .* verifies") as e:
+        manager.restore(_state(0))
+    assert "checkpoint_1.safetensors" in str(e.value) and "checkpoint_2.safetensors" in str(e.value)
+
+
+def test_restore_never_falls_back_over_a_target_mismatch(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_latest=2)
+    manager.save(1, _state(1))
+    manager.save(2, {"w": np.zeros(5, np.float32)})
+    with pytest.raises(ValueError, match=r"checkpoint_2.*does not match the target"):
+        manager.restore(_state(0))

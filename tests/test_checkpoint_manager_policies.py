@@ -333,6 +333,52 @@ def test_nested_managers_put_handlers_back_in_order(tmp_path, sigterm_guard):
     assert received == [signal.SIGTERM]
 
 
+@pytest.mark.parametrize("close_order", ["creation", "reverse"])
+def test_sigterm_reaches_exactly_the_live_managers_whatever_the_close_order(
+    tmp_path, sigterm_guard, close_order
+):
+    guard, received = sigterm_guard
+    first = CheckpointManager(tmp_path / "a")
+    second = CheckpointManager(tmp_path / "b")
+    first.should_save(1)
+    second.should_save(1)
+    closing, staying = (first, second) if close_order == "creation" else (second, first)
+    closing.close()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert received == [signal.SIGTERM]  # the handler before the managers still runs
+    assert staying.should_save(2) and staying.preempted  # the live one heard it
+    staying.close()
+    # Both closed: the original handler is back, and SIGTERM means what it meant before.
+    assert signal.getsignal(signal.SIGTERM) is guard
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert received == [signal.SIGTERM, signal.SIGTERM]
+
+
+def test_a_closed_manager_is_not_told_of_a_later_sigterm(tmp_path, sigterm_guard):
+    first = CheckpointManager(tmp_path / "a", save_interval_steps=100)
+    second = CheckpointManager(tmp_path / "b", save_interval_steps=100)
+    first.should_save(1)
+    second.should_save(1)
+    first.close()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert not first.should_save(3) and not first.preempted
+    assert second.should_save(3) and second.preempted
+    first.close()
+    second.close()
+
+
+def test_a_manager_reopened_after_all_closed_installs_the_handler_again(tmp_path, sigterm_guard):
+    guard, received = sigterm_guard
+    for run in range(2):
+        with CheckpointManager(tmp_path / str(run), save_interval_steps=100) as manager:
+            manager.should_save(1)
+            assert signal.getsignal(signal.SIGTERM) is not guard
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert manager.should_save(2)
+        assert signal.getsignal(signal.SIGTERM) is guard
+    assert received == [signal.SIGTERM, signal.SIGTERM]
+
+
 # ---------------------------------------------------------------- SIGTERM, real process
 
 

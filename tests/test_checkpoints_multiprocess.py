@@ -60,6 +60,26 @@ def test_four_processes_save_and_restore(tmp_path):
 
 
 @pytest.mark.slow
+def test_processes_that_disagree_on_the_tree_fail_everywhere_naming_the_difference(tmp_path):
+    """Dtype, global shape, sharding, a host-local leaf only one process has, host-local vs
+    global, the tree's structure, the step: each fails on both processes before anything
+    is written, and retention deletes nothing."""
+    _run_job("disagree", 2, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_2.shards"]
+
+
+@pytest.mark.slow
+def test_a_save_one_process_fails_fails_everywhere_and_the_next_save_pairs_correctly(tmp_path):
+    """Before the opening exchange, while planning pieces, or skipping the exchange: the
+    save fails on both, the next one works, and an overwrite of a fixed step never mixes
+    two saves' rows."""
+    _run_job("desync", 2, tmp_path)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
+        "checkpoint_4.shards"
+    ]
+
+
+@pytest.mark.slow
 def test_peer_dying_mid_save_times_out_and_keeps_previous_checkpoint(tmp_path):
     _run_job("peer_dies", 2, tmp_path, expected_exit={1: 3})
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [

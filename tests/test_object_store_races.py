@@ -72,6 +72,12 @@ class FakeS3:
     def ls(self, path, detail=True):
         return self.mem.ls(path, detail=detail)
 
+    def find(self, path, prefix="", detail=False):
+        found = self.mem.find(path, detail=True)
+        start = path.rstrip("/") + "/" + prefix
+        found = {k: v for k, v in found.items() if k.startswith(start)}
+        return found if detail else list(found)
+
     def info(self, path):
         return self.mem.info(path)
 
@@ -237,6 +243,11 @@ def test_an_unreachable_store_during_retention_never_deletes_the_best_checkpoint
     )
     manager.save(1, {"x": np.zeros(2)}, metrics={"loss": 0.1})  # the best
     manager.save(2, {"x": np.zeros(2)}, metrics={"loss": 0.9})
+    # A new manager (the job restarted) has read no metric yet: its retention must read
+    # checkpoint 1's (one that read it before would use what it read).
+    manager = checkpoints.CheckpointManager(
+        url, keep_latest=1, keep_best=1, best_metric="loss", handle_sigterm=False
+    )
     fs = manager._store.fs
     real_info = fs.info
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -17,6 +18,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
 from . import _description, _directory, _format, _locations, _multiprocess, _names, _restore
 from ._async import AsyncManager
+from ._storage import Storage
 
 T = TypeVar("T")
 
@@ -107,7 +109,7 @@ def save_pipeline(
     retention: _directory.Retention,
     async_manager: AsyncManager | None,
     caller: str,
-    extra_metadata: dict[str, str] | None = None,
+    extra_metadata: dict[str, str] | Callable[[], dict[str, str]] | None = None,
     multiprocess: bool = False,
     timeout_s: int | float = 300.0,
     storage_options: Mapping[str, Any] | None = None,
@@ -119,33 +121,50 @@ def save_pipeline(
     Validates everything before touching the disk, writes, commits, then (after the commit
     is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
-    store, ckpt_dir = _locations.resolve(ckpt_dir, storage_options, caller=caller)
-    if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
-        # On an object store nobody can tell a live writer's uncommitted pieces from a dead
-        # one's but by age: other saves remove them after `STALE_S`.
-        raise ValueError(
-            f"{caller}: timeout_s={timeout_s!r} is too long for an object store; at most "
-            f"{_directory.STALE_S / 2:.0f} s, since uncommitted pieces older than "
-            f"{_directory.STALE_S:.0f} s count as abandoned."
+    # First, before anything can fail: the save's number, which keys its exchanges (a
+    # process that fails below still takes part in the opening exchange, so the numbers
+    # stay the same on every process).
+    number = _multiprocess.begin_save() if multiprocess else None
+
+    def prepare() -> tuple[Storage, str, Decimal, str, str, Any, list, dict]:
+        store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
+        if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
+            # On an object store nobody can tell a live writer's uncommitted pieces from a
+            # dead one's but by age: other saves remove them after `STALE_S`.
+            raise ValueError(
+                f"{caller}: timeout_s={timeout_s!r} is too long for an object store; at most "
+                f"{_directory.STALE_S / 2:.0f} s, since uncommitted pieces older than "
+                f"{_directory.STALE_S:.0f} s count as abandoned."
+            )
+        _names.check_prefix(prefix, caller)
+        value = _names.check_step(step, caller)
+        try:
+            name = _names.checkpoint_name(prefix, step, sharded=multiprocess)
+        except ValueError as error:
+            raise ValueError(f"{caller}: {error}") from None
+        if async_manager is not None:
+            async_manager.wait_previous_save()
+        store.start_deadline()  # every request of this save, from here on, shares one budget
+        description, tensors = _description.describe(
+            target, caller=caller, allow_global=multiprocess
         )
-    _names.check_prefix(prefix, caller)
-    value = _names.check_step(step, caller)
-    try:
-        name = _names.checkpoint_name(prefix, step, sharded=multiprocess)
-    except ValueError as error:
-        raise ValueError(f"{caller}: {error}") from None
-    if async_manager is not None:
-        async_manager.wait_previous_save()
-    store.start_deadline()  # every request of this save, from here on, shares one budget
-    description, tensors = _description.describe(target, caller=caller, allow_global=multiprocess)
-    step_text = _names.canonical_step(step)
-    metadata = {
-        **_format.base_metadata(step_text, description),
-        **(extra_metadata or {}),
-    }
-    _format.check_header_size(tensors, metadata, caller)
-    store.makedirs(ckpt_dir)
-    _directory.check_newer(store, ckpt_dir, prefix, value, step_text, overwrite, caller)
+        step_text = _names.canonical_step(step)
+        extra = extra_metadata() if callable(extra_metadata) else extra_metadata
+        metadata = {**_format.base_metadata(step_text, description), **(extra or {})}
+        _format.check_header_size(tensors, metadata, caller)
+        store.makedirs(where)
+        _directory.check_newer(store, where, prefix, value, step_text, overwrite, caller)
+        return store, where, value, step_text, name, description, tensors, metadata
+
+    if number is None:
+        store, ckpt_dir, value, step_text, name, description, tensors, metadata = prepare()
+    else:
+        try:
+            store, ckpt_dir, value, step_text, name, description, tensors, metadata = prepare()
+        except Exception as error:
+            # Reported to the others in the opening exchange, which then raises it here.
+            _multiprocess.agree_on_token(number, error, timeout_s=timeout_s, caller=caller)
+            raise  # pragma: no cover - agree_on_token raised it
     final_path = store.join(ckpt_dir, name)
 
     def after_commit() -> None:
@@ -153,23 +172,34 @@ def save_pipeline(
             store, ckpt_dir, prefix, value, final_path, overwrite=overwrite, retention=retention
         )
 
-    if multiprocess:
-        token = _multiprocess.agree_on_token(timeout_s, caller)
-        pieces, where = _multiprocess.plan_pieces(tensors, jax.process_index())
-        if async_manager is not None:
-            pieces = [_description.snapshot(p) for p in pieces]
+    if number is not None:
+        token = _multiprocess.agree_on_token(
+            number, (step_text, prefix, description, tensors), timeout_s=timeout_s, caller=caller
+        )
+        key = _multiprocess.save_key(number, step_text)
+        planned: Any
+        try:
+            planned = _multiprocess.plan_pieces(tensors, jax.process_index())
+            if async_manager is not None:
+                planned = ([_description.snapshot(p) for p in planned[0]], planned[1])
+        except Exception as error:  # reported when the pieces are collected
+            planned = error
 
         def commit() -> None:
+            mine = planned
             if jax.process_index() == 0:
-                _directory.remove_leftovers(
-                    store, ckpt_dir, prefix, keep_token=token, current=final_path
-                )
+                try:
+                    _directory.remove_leftovers(
+                        store, ckpt_dir, prefix, keep_token=token, current=final_path
+                    )
+                except Exception as error:  # reported with the pieces: all give up at once
+                    mine = error
             _multiprocess.write_and_commit(
                 store,
                 final_path,
                 token,
-                pieces,
-                where,
+                key,
+                mine,
                 tensors,
                 metadata,
                 timeout_s=timeout_s,

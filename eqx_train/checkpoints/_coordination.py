@@ -7,7 +7,8 @@ in jax 0.10 and 0.12.
 ## The protocol of one operation
 
 Every collective (`broadcast`, `gather`, `barrier`, `decide`) is one *operation* with a key
-prefix `op` from `next_id`. Process `i` writes `{op}/arrived/{i}` (its value), then lists
+prefix `op` from `next_id` (the n-th call of a kind) or `op_id` (a key every process agrees
+on, such as a save's number and step). Process `i` writes `{op}/arrived/{i}` (its value), then lists
 `{op}/arrived/`; whoever sees every process there writes `{op}/outcome = ok`. Everyone waits
 for `{op}/outcome` with a deadline; a process whose deadline passes first writes
 `{op}/outcome = failed: ...`, naming the processes whose arrival keys are missing. The outcome
@@ -29,6 +30,9 @@ can never satisfy a later operation, whose prefix differs.
 Every process makes the same sequence of calls per kind (a process whose own work failed
 still makes the call, with a value that says so, instead of skipping it), and calls of one
 kind are sequential (one thread per kind); different kinds may run in different threads.
+A multi-process save numbers itself with `next_number("save")` as its very first step and
+keys all its exchanges by that number (`op_id`), so one save's failure on some processes
+cannot shift the pairing of later saves.
 
 ## When a peer dies (measured with jax 0.10.2 and 0.12.0.1, the same in both)
 
@@ -87,12 +91,36 @@ def next_id(kind: str) -> str:
 
     `"eqx_train/{kind}/{n}"`, where `n` counts the earlier calls with this `kind`.
     """
-    if not kind or "/" in kind:
-        raise ValueError(f"next_id: kind must be a non-empty name without '/', got {kind!r}.")
+    return op_id(kind, str(next_number(kind)))
+
+
+def next_number(kind: str) -> int:
+    """How many times this process asked for a number of `kind` before (0, 1, 2, ...).
+
+    A multi-process save takes its number as its very first step, before anything that can
+    fail: every process calls the save the same number of times, so the n-th save has
+    number n on every process, whatever failed in earlier saves on some of them.
+    """
+    _check_name("kind", kind)
     with _LOCK:
         count = _COUNTERS.get(kind, 0)
         _COUNTERS[kind] = count + 1
-    return f"eqx_train/{kind}/{count}"
+    return count
+
+
+def op_id(kind: str, key: str) -> str:
+    """The id of the operation `key` of `kind`: `"eqx_train/{kind}/{key}"`. `key` must be
+    something every process agrees on (a save's number and step), and unique per `kind`.
+
+    Ids of one `kind` form one group for key hygiene (see the module docstring)."""
+    _check_name("kind", kind)
+    _check_name("key", key)
+    return f"eqx_train/{kind}/{key}"
+
+
+def _check_name(what: str, name: str) -> None:
+    if not name or "/" in name:
+        raise ValueError(f"next_id: {what} must be a non-empty name without '/', got {name!r}.")
 
 
 def broadcast(op: str, value: str | None, *, timeout_s: int | float, caller: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -23,6 +23,9 @@ class Entry:
     text: str  # the step as spelled in the name
     path: str
     sharded: bool
+    # The listed version (an ETag: of the file, or of a `.shards` index), where the store's
+    # listing says; None locally.
+    identity: Any = field(default=None, compare=False)
 
     @property
     def step(self) -> int | float:
@@ -55,6 +58,13 @@ def list_checkpoints(store: Storage, ckpt_dir: str, prefix: str) -> list[Entry]:
 
 def _scan(store: Storage, ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool]:
     pattern = _names.checkpoint_pattern(prefix)
+    if not store.is_local:
+        # One listing of every key under the prefix, however many checkpoints: a `.shards`
+        # checkpoint is committed when its index is among them.
+        return [
+            Entry(_names.step_value(match["step"]), match["step"], path, sharded, identity)
+            for match, path, sharded, identity in _committed_objects(store, ckpt_dir, prefix)
+        ], False
     found, vanished = [], False
     for item in store.list(ckpt_dir):
         match = pattern.fullmatch(item.name)
@@ -73,6 +83,24 @@ def _scan(store: Storage, ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool
     return found, vanished
 
 
+def _committed_objects(
+    store: Storage, ckpt_dir: str, prefix: str
+) -> list[tuple[Any, str, bool, Any]]:
+    """(name match, path, sharded, identity) of each committed checkpoint, from one
+    `find`."""
+    pattern = _names.checkpoint_pattern(prefix)
+    found = []
+    for item in store.find(ckpt_dir, prefix):
+        first, _, rest = item.name.partition("/")
+        match = pattern.fullmatch(first)
+        if match is None:
+            continue
+        sharded = match["suffix"] == _names.SHARDED_SUFFIX
+        if (rest == _names.INDEX_NAME) if sharded else not rest:
+            found.append((match, store.join(ckpt_dir, first), sharded, item.identity))
+    return found
+
+
 def latest(listing: list[Entry]) -> Entry | None:
     return listing[-1] if listing else None
 
@@ -84,7 +112,8 @@ def find_step(listing: list[Entry], value: Decimal) -> Entry | None:
 
 
 _LISTING_ATTEMPTS = 5
-Retention = Callable[[list[tuple[Decimal, str]]], list[str]]
+# Given the checkpoints (one entry per step, oldest first), the step texts to delete.
+Retention = Callable[[list["Entry"]], list[str]]
 
 
 def check_keep(keep: Any, caller: str) -> None:
@@ -152,7 +181,8 @@ def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention
     check_keep(keep, caller)
     check_keep_every_n_steps(keep_every_n_steps, caller)
 
-    def retention(steps: list[tuple[Decimal, str]]) -> list[str]:
+    def retention(entries: list[Entry]) -> list[str]:
+        steps = [(e.value, e.text) for e in entries]
         return steps_to_delete(steps, keep=keep, keep_every_n_steps=keep_every_n_steps)
 
     return retention
@@ -179,9 +209,8 @@ def apply_retention(
     preferred: dict[Decimal, Entry] = {}
     for e in live:
         preferred[e.value] = e  # the listing's order puts the preferred spelling last
-    steps = [(e.value, e.text) for e in preferred.values()]
     by_text = {e.text: e.value for e in preferred.values()}
-    values = {by_text[text] for text in retention(steps)}
+    values = {by_text[text] for text in retention(list(preferred.values()))}
     doomed += [e for e in live if e.value in values]
     for entry in doomed:
         if entry.path != just_written:
@@ -234,6 +263,13 @@ def remove_leftovers(
     # upload listed here has its marker in the listing that follows.
     uploads = store.unfinished_uploads(ckpt_dir)
     items = store.list(ckpt_dir)
+    # What each `.shards` directory holds, from one listing: only one that holds more than
+    # a committed save's own files is looked at more closely (an index read, a listing).
+    contents: dict[str, list[str]] = {}
+    for found in store.find(ckpt_dir, prefix):
+        first, _, rest = found.name.partition("/")
+        if rest:
+            contents.setdefault(first, []).append(rest)
     now = time.time()
     writers: dict[str, list[bool]] = {}  # final name -> whether each marked writer is gone
     for item in items:
@@ -246,7 +282,7 @@ def remove_leftovers(
             continue
         match = pattern.fullmatch(item.name)
         if match and match["suffix"] == _names.SHARDED_SUFFIX and item.is_dir:
-            if item.path != current:
+            if item.path != current and _may_hold_litter(contents.get(item.name, [])):
                 clean_shards_dir(store, item.path, keep_token=keep_token)
     kept = set()  # names with an upload still going (or not known to be dead)
     for upload in uploads:
@@ -262,6 +298,21 @@ def remove_leftovers(
             age = None if item.modified is None else now - item.modified
             if _gone(store, temp[1], temp[2], age):
                 store.remove(item.path)
+
+
+def _may_hold_litter(names: list[str]) -> bool:
+    """Whether a `.shards` directory holding `names` may hold something to clean up: all
+    but a committed checkpoint with its index and the pieces of one save."""
+    if _names.INDEX_NAME not in names:
+        return True
+    tokens = set()
+    for name in names:
+        if name != _names.INDEX_NAME:
+            parsed = _names.parse_piece_file(name)
+            if parsed is None:
+                return True  # a marker or a temporary file
+            tokens.add(parsed[1])
+    return len(tokens) > 1
 
 
 def _upload_is_litter(

@@ -10,7 +10,9 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
@@ -18,11 +20,11 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _directory, _locations, _names, _storage
+from . import _coordination, _directory, _errors, _format, _locations, _names, _storage
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
-from ._restore import Location, open_reader
+from ._restore import RESTORE_ATTEMPTS, restore_entry
 
 T = TypeVar("T")
 
@@ -42,14 +44,74 @@ _DECISION_OF = {text: pair for pair, text in _DECISIONS.items()}
 
 
 class UnreadableCheckpointWarning(UserWarning):
-    """A checkpoint in a manager's directory could not be read while ranking by metric; it
-    counts as having no metric (it is kept only as one of the latest)."""
+    """A checkpoint in a manager's directory could not be read: while ranking by metric it
+    counts as having no metric (it is kept only as one of the latest); when
+    `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
+    that verifies instead, and this warning names each one skipped."""
 
 
-def _metadata_of(store: _storage.Storage, path: str) -> dict[str, str]:
-    """A checkpoint's metadata (a file's, or a `.shards` index's); reads no tensor data."""
-    with open_reader(store, Location.listed(path)) as reader:
+def _preferred(listing: list[_directory.Entry]) -> list[_directory.Entry]:
+    """One entry per step (the listing's preferred spelling), oldest first."""
+    return list({e.value: e for e in listing}.values())
+
+
+def _metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, str]:
+    """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
+    opened directly (it is known to be a file or a `.shards` directory)."""
+    path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
+    with _format.FileReader(path, store.open(path)) as reader:
         return reader.metadata
+
+
+class _SigtermListeners:
+    """The library's one SIGTERM handler and the live managers it tells.
+
+    The handler is installed when the first manager registers and put back (the handler
+    that was there before it) when the last one unregisters, so managers may be closed in
+    any order: a closed manager is never told again, and SIGTERM keeps its usual meaning
+    once none is live. Main thread only (Python sets and runs handlers there)."""
+
+    def __init__(self) -> None:
+        # Weak: a manager dropped without `close()` stops listening once it is collected.
+        self.managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+        self.previous: Any = None
+        self.running = False
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.running:  # a handler installed over ours that chains back to us
+            return
+        self.running = True
+        try:
+            for manager in list(self.managers):
+                manager._sigterm_received = True
+            previous = self.previous
+            if callable(previous):  # a Python handler; never SIG_DFL, which would kill us
+                previous(signum, frame)
+        finally:
+            self.running = False
+
+    def register(self, manager: CheckpointManager) -> None:
+        if signal.getsignal(signal.SIGTERM) != self.handle:
+            # First listener, or someone replaced our handler since: (re)install, chaining
+            # to whatever is there now.
+            self.previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self.handle)
+        self.managers.add(manager)
+
+    def unregister(self, manager: CheckpointManager) -> None:
+        self.managers.discard(manager)
+        if len(self.managers) or signal.getsignal(signal.SIGTERM) != self.handle:
+            # Others still listen; or a handler was installed over ours and stays (it may
+            # chain to ours, which then only chains on).
+            return
+        previous = self.previous
+        # None: the previous handler was not set from Python; the default is the closest
+        # we can put back.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        self.previous = None
+
+
+_SIGTERM = _SigtermListeners()
 
 
 class CheckpointManager:
@@ -127,11 +189,14 @@ class CheckpointManager:
     never a step already saved) and the loop that resumes after a preemption.
 
     **Preemption:** with `handle_sigterm=True` (the default), the first `should_save` call
-    made on the main thread of a single-process job installs a SIGTERM handler. The handler
-    only records the signal (and calls the handler that was installed before it, if that
-    was a Python function); the next `should_save` answers yes, the loop saves and sees
-    `preempted`, and exits cleanly instead of being killed mid-step. `close()` (or leaving
-    the `with` block) puts the previous handler back. A manager whose `should_save` is never
+    made on the main thread of a single-process job registers the manager with the
+    library's SIGTERM handler (installed by the first such manager). The handler only
+    records the signal in every live registered manager (and calls the handler that was
+    installed before it, if that was a Python function); the next `should_save` answers
+    yes, the loop saves and sees `preempted`, and exits cleanly instead of being killed
+    mid-step. `close()` (or leaving the `with` block) unregisters the manager, and the
+    last one to close puts the previous handler back, whatever order several managers are
+    closed in. A manager whose `should_save` is never
     called never touches signals, so SIGTERM keeps its usual meaning for code that calls
     `save` by hand. In a multi-process job no handler is installed: JAX's preemption
     service (started by `jax.distributed.initialize`) listens for the signal itself, and
@@ -223,8 +288,10 @@ class CheckpointManager:
         self._latest_known = False
         self._sigterm_received = False
         self._preempted = False
-        self._sigterm_handler: Any = None
-        self._previous_sigterm_handler: Any = None
+        self._listens = False  # registered with the library's SIGTERM handler
+        # (path, listed version) -> what `_metric_of` read: on an object store, retention
+        # and "best" then read only the metrics of checkpoints not seen before.
+        self._metric_cache: dict[tuple[str, Any], tuple[float | None, str | None]] = {}
 
     # ------------------------------------------------------------------ saving
 
@@ -251,10 +318,15 @@ class CheckpointManager:
         Raises the error of a failed previous background save, if any.
         """
         began = _clock()
-        extra = {
-            _METRICS_KEY: self._encode_metrics(metrics),
-            _USER_METADATA_KEY: self._encode_metadata(metadata),
-        }
+
+        def extra() -> dict[str, str]:
+            # Encoded inside the save, so that a bad value on one process of a multi-process
+            # job fails the save on all of them.
+            return {
+                _METRICS_KEY: self._encode_metrics(metrics),
+                _USER_METADATA_KEY: self._encode_metadata(metadata),
+            }
+
         path = save_pipeline(
             self.directory,
             state,
@@ -398,40 +470,73 @@ class CheckpointManager:
         """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
         if not self.best_metric:
             raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
-        steps = list({e.value: (e.value, e.text) for e in self._listing()}.values())
-        ranked = self._ranked(steps)
-        return _names.step_from_text(ranked[0]) if ranked else None
+        best = self._best_entry("CheckpointManager.best_step")
+        return None if best is None else best.step
 
     def metrics(self, step: _names.Step) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = _metadata_of(self._store, self._path(step)).get(_METRICS_KEY)
+        raw = _metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
         return None if raw is None else json.loads(raw)
 
     def metadata(self, step: _names.Step) -> dict[str, Any] | None:
         """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = _metadata_of(self._store, self._path(step)).get(_USER_METADATA_KEY)
+        raw = _metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
-    def restore(self, target: T, step: _names.Step | Literal["best"] | None = None) -> T:
-        """Restores `step` (default: the latest; `"best"`: the best by `best_metric`) into
-        the structure of `target`, as `restore_checkpoint` does. With no checkpoint and
-        `step=None`, returns `target` unchanged."""
+    def restore(
+        self,
+        target: T,
+        step: _names.Step | Literal["best"] | None = None,
+        *,
+        fallback: bool = True,
+    ) -> T:
+        """Restores a checkpoint into the structure of `target`, as `restore_checkpoint`
+        does.
+
+        **Arguments:**
+
+        - `target`: the pytree to fill (see `restore_checkpoint`).
+        - `step`: `None` for the latest checkpoint, `"best"` for the best by
+          `best_metric`, or a step number.
+        - `fallback`: only for `step=None`: if the latest checkpoint is corrupt (truncated,
+          a failed checksum, a missing piece: `CheckpointFormatError`), restore the newest
+          older one that reads and verifies instead, with an `UnreadableCheckpointWarning`
+          naming each checkpoint skipped. `False` raises the error instead. A checkpoint
+          that reads fine but does not match `target` is never skipped (that is an error
+          in the target), and a requested step or `"best"` never falls back.
+
+        **Returns:**
+
+        The restored pytree; `target` unchanged when there is no checkpoint and
+        `step=None`.
+
+        **Raises:**
+
+        `ValueError` when `step` is missing, when `"best"` finds no checkpoint with a
+        usable metric, or when the checkpoint does not match `target`;
+        `CheckpointFormatError` when the checkpoint asked for is corrupt (with `fallback`:
+        when every checkpoint is).
+
+        A checkpoint removed by a concurrent save's retention while it was being chosen or
+        read (the trainer saving while an evaluator restores) is chosen again from a fresh
+        listing.
+
+        In a multi-process job, call it on every process: the processes agree on which
+        checkpoint to fall back to, so a corruption only one process reads makes all of
+        them skip it.
+        """
         self.wait()
         if step == "best":
-            best = self.best_step()
-            if best is None:
-                raise ValueError(
-                    f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
-                    f"usable '{self.best_metric}' metric."
-                )
-            step = best
-        return restore_checkpoint(
-            self.directory,
-            target,
-            step=step,
-            prefix=self.prefix,
-            storage_options=self.storage_options,
-        )
+            return self._restore_best(target)
+        if step is not None or not fallback:
+            return restore_checkpoint(
+                self.directory,
+                target,
+                step=step,
+                prefix=self.prefix,
+                storage_options=self.storage_options,
+            )
+        return self._restore_latest_that_verifies(target)
 
     # ------------------------------------------------------------------ internals
 
@@ -455,7 +560,7 @@ class CheckpointManager:
     def _install_sigterm_handler(self) -> None:
         if (
             not self.handle_sigterm
-            or self._sigterm_handler is not None
+            or self._listens
             # Multi-process: JAX's preemption notifier owns SIGTERM (replacing its handler
             # would hide preemptions from the sync point).
             or jax.process_count() > 1
@@ -463,77 +568,194 @@ class CheckpointManager:
             or threading.current_thread() is not threading.main_thread()
         ):
             return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self._sigterm_received = True
-            if callable(previous):  # a Python handler; never SIG_DFL, which would kill us
-                previous(signum, frame)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._sigterm_handler = on_sigterm
-        self._previous_sigterm_handler = previous
+        _SIGTERM.register(self)
+        self._listens = True
 
     def _restore_sigterm_handler(self) -> None:
-        handler = self._sigterm_handler
-        if handler is None or threading.current_thread() is not threading.main_thread():
-            return
-        # If someone installed a handler over ours, theirs stays (it may chain to ours,
-        # which still only records the signal).
-        if signal.getsignal(signal.SIGTERM) is handler:
-            previous = self._previous_sigterm_handler
-            # None: the previous handler was not set from Python; the default is the
-            # closest we can put back.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        self._sigterm_handler = None
+        if self._listens and threading.current_thread() is threading.main_thread():
+            _SIGTERM.unregister(self)
+            self._listens = False
 
     def _listing(self) -> list[_directory.Entry]:
         return _directory.list_checkpoints(self._store, self.directory, self.prefix)
 
-    def _path(self, step: _names.Step) -> str:
+    def _entry(self, step: _names.Step) -> _directory.Entry:
         found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
         if found is not None:
-            return found.path
+            return found
         raise ValueError(
             f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
             f"available steps: {self.all_steps()}."
         )
 
-    def _metric_of(self, path: str) -> float | None:
+    def _metric_of(self, entry: _directory.Entry) -> tuple[float | None, str | None]:
+        """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
+        Raises `FileNotFoundError` if the checkpoint is gone."""
         try:
-            raw = _metadata_of(self._store, path).get(_METRICS_KEY)
+            raw = _metadata_of(self._store, entry).get(_METRICS_KEY)
             metrics = json.loads(raw) if raw else None
+        except FileNotFoundError:
+            raise
         except (OSError, ValueError) as error:
-            if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
-                if not self._store.is_local:
-                    # An unreachable store says nothing about the checkpoint: never let a
-                    # network error make retention delete the best one.
-                    raise
-            warnings.warn(
-                f"CheckpointManager: cannot read the metrics of {path} ({error}); it counts "
-                "as having none.",
-                UnreadableCheckpointWarning,
-                stacklevel=3,
-            )
-            return None
+            if isinstance(error, OSError) and not self._store.is_local:
+                # An unreachable store says nothing about the checkpoint: never let a
+                # network error make retention delete the best one.
+                raise
+            return None, str(error)
         value = metrics.get(self.best_metric or "") if isinstance(metrics, dict) else None
         if value is None or not isinstance(value, int | float) or math.isnan(value):
-            return None
-        return float(value)
+            return None, None
+        return float(value), None
 
-    def _ranked(self, steps: list[tuple[Decimal, str]]) -> list[str]:
-        """Step texts with a usable metric, best first (ties: newer first)."""
-        paths = {e.text: e.path for e in self._listing()}
-        scored = [(self._metric_of(paths[text]), value, text) for value, text in steps]
-        usable = [(m, value, text) for m, value, text in scored if m is not None]
+    def _ranked(self, entries: list[_directory.Entry], *, gone_ok: bool) -> list[_directory.Entry]:
+        """`entries` with a usable metric, best first (ties: newer first). The metrics are
+        read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
+        or raises `FileNotFoundError` (so that the caller lists again)."""
+
+        cache = self._metric_cache
+
+        def score(entry: _directory.Entry) -> tuple[float | None, str | None]:
+            # A checkpoint never changes but by being replaced, which changes the version
+            # the listing reports: what was read for that version stays true.
+            key = (entry.path, entry.identity)
+            if entry.identity is not None and key in cache:
+                return cache[key]
+            try:
+                found = self._metric_of(entry)
+            except FileNotFoundError:
+                if gone_ok:
+                    return None, None
+                raise
+            if entry.identity is not None:
+                cache[key] = found
+            return found
+
+        # Concurrently: on an object store each read is a request, latency-bound.
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:
+            scores = list(pool.map(score, entries))
+        listed = {(e.path, e.identity) for e in entries}
+        self._metric_cache = {k: v for k, v in cache.items() if k in listed}
+        for entry, (_, problem) in zip(entries, scores, strict=True):
+            if problem is not None:
+                warnings.warn(
+                    f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
+                    "it counts as having none.",
+                    UnreadableCheckpointWarning,
+                    stacklevel=4,
+                )
+        usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
         sign = 1.0 if self.mode == "min" else -1.0
-        usable.sort(key=lambda item: (sign * item[0], -item[1]))
-        return [text for _, _, text in usable]
+        usable.sort(key=lambda item: (sign * item[0], -item[1].value))
+        return [e for _, e in usable]
 
-    def _to_delete(self, steps: list[tuple[Decimal, str]]) -> list[str]:
-        keep = {text for _, text in steps[-self.keep_latest :]}
-        if self.keep_best:
-            keep.update(self._ranked(steps)[: self.keep_best])
+    def _best_entry(self, caller: str) -> _directory.Entry | None:
+        """The best checkpoint by `best_metric`, ranked on one listing; listed again if
+        retention removed a checkpoint while its metric was being read."""
+        for attempt in range(RESTORE_ATTEMPTS):
+            try:
+                ranked = self._ranked(_preferred(self._listing()), gone_ok=False)
+            except FileNotFoundError:
+                if attempt + 1 == RESTORE_ATTEMPTS:
+                    raise
+                continue
+            return ranked[0] if ranked else None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _restore_best(self, target: T) -> T:
+        for attempt in range(RESTORE_ATTEMPTS):
+            best = self._best_entry("CheckpointManager.restore")
+            if best is None:
+                raise ValueError(
+                    f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
+                    f"usable '{self.best_metric}' metric."
+                )
+            try:
+                return restore_entry(self._store, best, target)
+            except FileNotFoundError:
+                # The trainer's retention removed it (a better one arrived): rank again.
+                if attempt + 1 == RESTORE_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _restore_latest_that_verifies(self, target: T) -> T:
+        """The newest checkpoint that restores without a `CheckpointFormatError`, warning
+        for each one skipped; the processes of a multi-process job decide together."""
+        caller = "CheckpointManager.restore"
+        skipped: dict[str, _errors.CheckpointFormatError] = {}
+        multiprocess = jax.process_count() > 1
+        relists = 0
+        listing = _preferred(self._listing())
+        while True:
+            candidates = [e for e in reversed(listing) if e.path not in skipped]
+            if not candidates:
+                if skipped:
+                    listed = "; ".join(f"{p}: {e}" for p, e in skipped.items())
+                    raise _errors.CheckpointFormatError(
+                        f"{caller}: no checkpoint in {self.directory} verifies: {listed}"
+                    )
+                return target
+            entry = candidates[0]
+            outcome, restored, failure = "ok", target, None
+            try:
+                restored = restore_entry(self._store, entry, target)
+            except _errors.CheckpointFormatError as error:
+                skipped[entry.path] = error
+                outcome = f"corrupt: {error}"
+            except FileNotFoundError:
+                outcome = "gone"
+            except Exception as error:  # e.g. a target mismatch: no fallback
+                if not multiprocess:
+                    raise
+                failure, outcome = error, f"failed: {type(error).__name__}: {error}"
+            if multiprocess:
+                # Each process reads only its devices' pieces: a corruption one of them
+                # sees must make every one skip that checkpoint.
+                seen = _coordination.gather(
+                    _coordination.next_id("restore_fallback"),
+                    json.dumps([entry.path, outcome]),
+                    timeout_s=self.timeout_s,
+                    caller=caller,
+                )
+                reports = [json.loads(r) for r in seen]
+                failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
+                if failure is not None:
+                    raise failure
+                if failed:
+                    raise RuntimeError(
+                        f"{caller}: process {failed[0][0]} could not restore {entry.path} "
+                        f"({failed[0][1].removeprefix('failed: ')})."
+                    )
+                if any(path != entry.path or o == "gone" for path, o in reports):
+                    outcome = "gone"  # listings differ, or one raced retention: list again
+                else:
+                    bad = [o for _, o in reports if o != "ok"]
+                    if bad and outcome == "ok":
+                        outcome = bad[0]
+                        skipped[entry.path] = _errors.CheckpointFormatError(
+                            f"{entry.path}: another process found it {bad[0]}"
+                        )
+            if outcome == "ok":
+                for path, error in skipped.items():
+                    warnings.warn(
+                        f"{caller}: skipped the corrupt checkpoint {path} ({error}); restored "
+                        f"step {entry.text} from {entry.path} instead. Pass fallback=False "
+                        "to raise instead.",
+                        UnreadableCheckpointWarning,
+                        stacklevel=3,
+                    )
+                return restored
+            if outcome == "gone":
+                relists += 1
+                if relists == RESTORE_ATTEMPTS:
+                    raise FileNotFoundError(
+                        f"{caller}: the checkpoints of {self.directory} kept changing while "
+                        f"being restored ({entry.path} vanished)"
+                    )
+                listing = _preferred(self._listing())
+
+    def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
+        steps = [(e.value, e.text) for e in entries]
+        keep = {e.text for e in entries[-self.keep_latest :]}
         kept_by_flax_rule = set(
             text for _, text in steps[: max(len(steps) - self.keep_latest, 0)]
         ) - set(
@@ -542,7 +764,10 @@ class CheckpointManager:
             )
         )
         keep.update(kept_by_flax_rule)
-        return [text for _, text in steps if text not in keep]
+        if self.keep_best and len(keep) < len(entries):
+            # Metrics are read only when some checkpoint might go.
+            keep.update(e.text for e in self._ranked(entries, gone_ok=True)[: self.keep_best])
+        return [e.text for e in entries if e.text not in keep]
 
     def _encode_metrics(self, metrics: Mapping[str, ArrayLike] | None) -> str:
         if metrics is None:

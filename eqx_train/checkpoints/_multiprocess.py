@@ -21,6 +21,7 @@ The processes synchronise through the coordination service `jax.distributed` run
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable
@@ -35,7 +36,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from . import _coordination, _description, _directory, _format, _names, _shards
+from . import _coordination, _description, _directory, _errors, _format, _names, _shards
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
 from ._names import PIECES_KEY
 from ._storage import Storage
@@ -46,12 +47,211 @@ _COMMITTED = "committed"
 _UNSURE = "outcome unknown: "
 
 
-def agree_on_token(timeout_s: int | float, caller: str) -> str:
-    """A save token chosen by process 0 (it names process 0 as the writer), the same on
-    every process."""
-    mine = _names.new_token() if jax.process_index() == 0 else None
-    op = _coordination.next_id("save_token")
-    return _coordination.broadcast(op, mine, timeout_s=timeout_s, caller=caller)
+def begin_save() -> int:
+    """The number of this save: the first thing a multi-process save does, before anything
+    that can fail, so that it is the same on every process (see
+    `_coordination.next_number`). Every exchange of the save is keyed by it."""
+    return _coordination.next_number("save")
+
+
+def save_key(number: int, step_text: str) -> str:
+    """The key of a save's later exchanges: its number and its step, both agreed."""
+    return f"{number}@{step_text}"
+
+
+def agree_on_token(
+    number: int,
+    plan: tuple[str, str, Any, list[_description.Tensor]] | BaseException,
+    *,
+    timeout_s: int | float,
+    caller: str,
+) -> str:
+    """The opening exchange of save `number`: every process reports whether it could
+    prepare the save (`plan` is `(step_text, prefix, description, tensors)`, or the error
+    that stopped it) and a digest of what it is about to save; process 0 adds the save's
+    token (it names process 0 as the writer).
+
+    **Returns:**
+
+    The token, the same on every process.
+
+    **Raises:**
+
+    On every process, before anything is written: the process's own error if it failed;
+    a `RuntimeError` naming the processes that failed; a `ValueError` naming the first
+    difference if the processes disagree on the step, the prefix or the tree (leaf names,
+    dtypes, global shapes, shardings, which leaves are host-local, the tree's structure).
+    """
+    process = jax.process_index()
+    op = _coordination.op_id("save_open", str(number))
+    if isinstance(plan, BaseException):
+        mine: dict[str, Any] = {"failed": f"{type(plan).__name__}: {plan}"[:2000]}
+        layout = None
+    else:
+        step_text, prefix, description, tensors = plan
+        layout = _layout(description, tensors)
+        mine = {
+            "step": step_text,
+            "prefix": prefix,
+            "digest": hashlib.sha256(_canonical(layout).encode()).hexdigest(),
+        }
+        if process == 0:
+            mine["token"] = _names.new_token()
+    reports = [
+        json.loads(r)
+        for r in _coordination.gather(op, json.dumps(mine), timeout_s=timeout_s, caller=caller)
+    ]
+    if isinstance(plan, BaseException):
+        raise plan
+    failed = [f"process {i} ({r['failed']})" for i, r in enumerate(reports) if "failed" in r]
+    if failed:
+        raise RuntimeError(
+            f"{caller}: the save was abandoned before anything was written because "
+            f"{', '.join(failed)} could not begin it; the previous checkpoint is still the "
+            "latest."
+        )
+    for field in ("step", "prefix"):
+        values = [r[field] for r in reports]
+        if len(set(values)) > 1:
+            listed = ", ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
+            raise ValueError(
+                f"{caller}: the processes disagree on the {field} ({listed}), so nothing was "
+                "written. Every process must make the same save call."
+            )
+    if len({r["digest"] for r in reports}) > 1:
+        # Rare, and then worth a second exchange: every layout, to name the difference.
+        assert layout is not None
+        layouts = _coordination.gather(
+            _coordination.op_id("save_layouts", str(number)),
+            _canonical(layout),
+            timeout_s=timeout_s,
+            caller=caller,
+        )
+        difference = _first_difference([json.loads(text) for text in layouts])
+        raise ValueError(
+            f"{caller}: the processes disagree on what to save, so nothing was written: "
+            f"{difference}. Every process must pass the same tree (the same leaf names, "
+            "dtypes, global shapes and shardings)."
+        )
+    return reports[0]["token"]
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _layout(description: Any, tensors: list[_description.Tensor]) -> dict[str, Any]:
+    """What a process is about to save, in a form every process computes identically for
+    the same save: the tree's description and, per leaf, its dtype, global shape and where
+    it lives (host-local, or a global array with the blocks of its sharding)."""
+    blocks: dict[tuple[Any, tuple[int, ...]], str] = {}  # many leaves share a sharding
+    leaves = []
+    for tensor in tensors:
+        source = tensor.source
+        if isinstance(source, jax.Array) and not source.is_fully_addressable:
+            sharding = source.sharding
+            key = (sharding, tensor.shape)
+            if key not in blocks:
+                cells = sorted(
+                    (
+                        device.id,
+                        [list(s.indices(d)[:2]) for s, d in zip(index, tensor.shape, strict=True)],
+                    )
+                    for device, index in sharding.devices_indices_map(tensor.shape).items()
+                )
+                blocks[key] = hashlib.sha256(_canonical(cells).encode()).hexdigest()[:16]
+            where = {"sharding": _sharding_text(sharding), "blocks": blocks[key]}
+        else:
+            where = "host-local"
+        leaves.append([tensor.name, str(tensor.dtype), list(tensor.shape), where])
+    return {"tree": description, "leaves": leaves}
+
+
+def _sharding_text(sharding: Any) -> str:
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None:
+        return f"{type(sharding).__name__}(mesh {dict(mesh.shape)}, {spec})"
+    return _errors.short(repr(sharding), 160)
+
+
+def _describe_leaf(leaf: list[Any], with_blocks: bool = False) -> str:
+    _, dtype, shape, where = leaf
+    if where == "host-local":
+        return f"{dtype}{shape} host-local (written by process 0)"
+    blocks = f" (devices and blocks digest {where['blocks']})" if with_blocks else ""
+    return f"{dtype}{shape} sharded as {where['sharding']}{blocks}"
+
+
+def _first_difference(layouts: list[dict[str, Any]]) -> str:
+    """The first way in which a process's layout differs from process 0's, in words."""
+    reference = layouts[0]
+    for i, other in enumerate(layouts[1:], start=1):
+        mine = {leaf[0]: leaf for leaf in reference["leaves"]}
+        theirs = {leaf[0]: leaf for leaf in other["leaves"]}
+        for leaf in reference["leaves"]:
+            name = leaf[0]
+            if name not in theirs:
+                return f"leaf '{name}' is saved by process 0 but not by process {i}"
+            if theirs[name] != leaf:
+                a, b = leaf, theirs[name]
+                blocks = _describe_leaf(a) == _describe_leaf(b)  # differ only in devices
+                return (
+                    f"leaf '{name}' is {_describe_leaf(a, blocks)} on process 0 but "
+                    f"{_describe_leaf(b, blocks)} on process {i}"
+                )
+        for leaf in other["leaves"]:
+            if leaf[0] not in mine:
+                return f"leaf '{leaf[0]}' is saved by process {i} but not by process 0"
+        if other["tree"] != reference["tree"]:
+            where = _tree_difference(reference["tree"], other["tree"], "")
+            return (
+                "the tree's structure or its non-array leaves differ between process 0 and "
+                f"process {i} {where} (process 0's first)"
+            )
+    return "their descriptions differ"
+
+
+def _node_text(node: Any) -> str:
+    if not isinstance(node, dict):
+        return repr(node)
+    if "str" in node:
+        return f"the string {_errors.short(node['str'], 60)}"
+    if "tensor" in node:
+        return "an array"
+    if "skipped" in node:
+        return f"a {node['skipped']} (not saved)"
+    if "node" in node:
+        return f"a {node['node']}"
+    kind = next(iter(node))
+    return f"a {kind} of {len(node[kind])}"
+
+
+def _tree_difference(a: Any, b: Any, path: str) -> str:
+    """Where two tree descriptions (`_description.describe`) first differ, in words ('' if they
+    are equal)."""
+    if a == b:
+        return ""
+    here = f"'{path}'" if path else "the root"
+    both = isinstance(a, dict) and isinstance(b, dict)
+    children: list[tuple[Any, Any, Any]] | None = None
+    if both and "dict" in a and "dict" in b:
+        if [k for k, _ in a["dict"]] == [k for k, _ in b["dict"]]:
+            children = [(k, x, y) for (k, x), (_, y) in zip(a["dict"], b["dict"], strict=True)]
+    elif both and "node" in a and a.get("node") == b.get("node"):
+        if [k for k, _ in a["children"]] == [k for k, _ in b["children"]]:
+            pairs = zip(a["children"], b["children"], strict=True)
+            children = [(k, x, y) for (k, x), (_, y) in pairs]
+    elif both and set(a) == set(b) and set(a) <= {"list", "tuple"}:
+        kind = next(iter(a))
+        if len(a[kind]) == len(b[kind]):
+            children = [(k, x, y) for k, (x, y) in enumerate(zip(a[kind], b[kind], strict=True))]
+    if children is None:
+        return f"at {here}: {_node_text(a)} vs {_node_text(b)}"
+    for key, x, y in children:
+        found = _tree_difference(x, y, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return f"at {here}"
 
 
 def plan_pieces(
@@ -90,8 +290,8 @@ def write_and_commit(
     store: Storage,
     final_dir: str,
     token: str,
-    pieces: list[_description.Tensor],
-    where: dict[str, dict[str, Any]],
+    key: str,
+    planned: tuple[list[_description.Tensor], dict[str, dict[str, Any]]] | BaseException,
     tensors: list[_description.Tensor],
     metadata: dict[str, str],
     *,
@@ -102,7 +302,11 @@ def write_and_commit(
 ) -> None:
     """Every process uploads its piece file and reports; when all pieces are durable,
     process 0 writes the index (the commit), drops the replaced pieces, runs `after_commit`
-    (retention), and tells the others whether it committed."""
+    (retention), and tells the others whether it committed.
+
+    `key` (from `save_key`) names this save's exchanges; `planned` is this process's
+    `plan_pieces` result, or the error that stopped it (reported like a failed write, so
+    the others give up at once)."""
     process, count = jax.process_index(), jax.process_count()
     own_piece = store.join(final_dir, _names.piece_file(process, token))
     every_piece = [store.join(final_dir, _names.piece_file(i, token)) for i in range(count)]
@@ -110,6 +314,9 @@ def write_and_commit(
     unsure = False  # whether this save's index may be (or become) committed after all
     try:
         try:
+            if isinstance(planned, BaseException):
+                raise planned
+            pieces, where = planned
             store.makedirs(final_dir)
             store.atomic_write(
                 own_piece,
@@ -122,7 +329,7 @@ def write_and_commit(
         else:
             failure = None
         statuses = _coordination.gather(
-            _coordination.next_id("save_written"), status, timeout_s=timeout_s, caller=caller
+            _coordination.op_id("save_written", key), status, timeout_s=timeout_s, caller=caller
         )
         if failure is not None:
             raise failure
@@ -133,7 +340,7 @@ def write_and_commit(
                 "write its pieces; the previous checkpoint is still the latest."
             )
         # Every process that got here makes this call; process 0 always answers.
-        commit_op = _coordination.next_id("save_commit")
+        commit_op = _coordination.op_id("save_commit", key)
         if process != 0:
             outcome = _coordination.broadcast(commit_op, None, timeout_s=timeout_s, caller=caller)
             unsure = str(outcome).startswith(_UNSURE)

@@ -228,6 +228,30 @@ class ObjectStorage:
             )
         return items
 
+    def find(self, directory: str, prefix: str) -> list[Item]:
+        """Every object whose key relative to `directory` starts with `prefix`, at any
+        depth (names relative to `directory`): one listing request per 1000 keys on S3
+        (no delimiter; the store filters by prefix), however many checkpoints there are."""
+        self._fresh(directory)
+        base = self.strip(directory).rstrip("/")
+        try:
+            try:
+                entries = self.call(directory, self.fs.find, base, prefix=prefix, detail=True)
+            except TypeError:  # a client whose find has no prefix filter
+                entries = self.call(directory, self.fs.find, base, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        items = []
+        for key, e in sorted(entries.items()):
+            name = str(key).removeprefix(base + "/")
+            if e.get("type") != "file" or name == str(key) or not name.startswith(prefix):
+                continue
+            modified = _timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
+            items.append(
+                Item(name, self.join(directory, name), False, True, modified, self.identity_of(e))
+            )
+        return items
+
     def info(self, path: str) -> dict[str, Any] | None:
         self._fresh(path)
         try:

@@ -36,7 +36,7 @@ from ._storage import Storage
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
-_RESTORE_ATTEMPTS = 5
+RESTORE_ATTEMPTS = 5
 
 Layout = Literal["file", "shards", "hf", "directory"]
 
@@ -175,7 +175,7 @@ def restore(
     """`restore_checkpoint` once its location is resolved: pick the checkpoint, open it,
     match it; again (up to 5 times) when a concurrent save replaced what was being read."""
     named_gone: FileNotFoundError | None = None
-    for attempt in range(_RESTORE_ATTEMPTS):
+    for attempt in range(RESTORE_ATTEMPTS):
         entry, listed = _resolve(store, where, step, prefix)
         if entry is None:
             if named_gone is not None:
@@ -187,10 +187,25 @@ def restore(
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
-            if attempt + 1 == _RESTORE_ATTEMPTS:
+            if attempt + 1 == RESTORE_ATTEMPTS:
                 raise
             named_gone = None if listed else error
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def restore_entry(
+    store: Storage,
+    entry: _directory.Entry,
+    target: T,
+    *,
+    strict: bool = True,
+    parallel: bool = True,
+    verify: bool = True,
+) -> T:
+    """Restores the listed checkpoint `entry` into `target`. Raises `FileNotFoundError` if
+    it is gone, or was replaced while being read: the caller lists again."""
+    with open_reader(store, entry) as reader:
+        return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
 
 
 def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:

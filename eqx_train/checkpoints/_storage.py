@@ -35,6 +35,7 @@ class Item:
     is_dir: bool
     is_file: bool  # a regular file (or object), following symlinks
     modified: float | None = None  # seconds since the epoch, where the listing says
+    identity: Any = None  # where the listing says (an ETag): equal for the same version
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class Storage(Protocol):
     def join(self, directory: str, name: str) -> str: ...
 
     def list(self, directory: str) -> list[Item]: ...
+
+    def find(self, directory: str, prefix: str) -> list[Item]: ...
 
     def is_file(self, path: str) -> bool: ...
 
@@ -212,6 +215,23 @@ class LocalStorage:
             except OSError:
                 continue
         return items
+
+    def find(self, directory: str, prefix: str) -> list[Item]:
+        """The files whose path relative to `directory` starts with `prefix` (names
+        relative to `directory`), down to one subdirectory: all a checkpoint layout has."""
+        found = []
+        for item in self.list(directory):
+            if not item.name.startswith(prefix):
+                continue
+            if item.is_dir:
+                found += [
+                    Item(f"{item.name}/{sub.name}", sub.path, False, True)
+                    for sub in self.list(item.path)
+                    if sub.is_file
+                ]
+            elif item.is_file:
+                found.append(item)
+        return found
 
     def is_file(self, path: str) -> bool:
         try:
