@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         create_stepped_learning_rate_schedule as create_stepped_learning_rate_schedule,
     )
     from .train_state import TrainState as TrainState
-    from .train_step import jit_step as jit_step
+    from .train_step import jit_step as jit_step, pmap_step as pmap_step
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
 __getattr__, __dir__ = exports(
@@ -71,6 +71,7 @@ __getattr__, __dir__ = exports(
         "EarlyStopping": "early_stopping",
         "TrainState": "train_state",
         "jit_step": "train_step",
+        "pmap_step": "train_step",
     },
 )
 
