@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     )
     from .common_utils import (
         get_metrics as get_metrics,
+        numpy_rng_from_state as numpy_rng_from_state,
+        numpy_rng_state as numpy_rng_state,
         onehot as onehot,
         shard as shard,
         shard_prng_key as shard_prng_key,
@@ -52,6 +54,8 @@ __getattr__, __dir__ = exports(
         "jax_utils": "jax_utils",
         "lr_schedule": "lr_schedule",
         "get_metrics": "common_utils",
+        "numpy_rng_from_state": "common_utils",
+        "numpy_rng_state": "common_utils",
         "onehot": "common_utils",
         "shard": "common_utils",
         "shard_prng_key": "common_utils",
