@@ -114,8 +114,8 @@ class TrainState(eqx.Module):
     !!! note "Differences from flax"
         There is no `apply_fn`: an Equinox model is callable. `params` is kept as a read-only
         alias of `model` (so `create(apply_fn=, params=, tx=)` raises, explaining the
-        mapping). `state.replace(**fields)` works as in flax. `step` is an int32 array rather than a Python int, so `filter_jit`
-        does not retrace every step.
+        mapping). `state.replace(**fields)` works as in flax. `step` is an int32 array
+        rather than a Python int, so `filter_jit` does not retrace every step.
     """
 
     step: Int[Array, ""]

@@ -106,11 +106,11 @@ def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any
 
     `pairs`: `(file shape, file dtype, target shape, target dtype)` for every array leaf of
     the target found in the file. Returns the hint, or `""`."""
-    leading = {
-        f[0] for f, fd, t, td in pairs if fd == td and len(f) == len(t) + 1 and f[1:] == t
-    }
-    if not pairs or len(leading) != 1 or any(
-        fd != td or len(f) != len(t) + 1 or f[1:] != t for f, fd, t, td in pairs
+    leading = {f[0] for f, fd, t, td in pairs if fd == td and len(f) == len(t) + 1 and f[1:] == t}
+    if (
+        not pairs
+        or len(leading) != 1
+        or any(fd != td or len(f) != len(t) + 1 or f[1:] != t for f, fd, t, td in pairs)
     ):
         return ""
     (n,) = leading
