@@ -35,7 +35,9 @@ def _state(p=0.1, seed=0):
 
 
 def _arrays(tree):
-    return eqx.filter(tree, eqx.is_array)
+    # Leaves only: two Nets differ in static parts (BatchNorm's state markers, optax's
+    # closures) even when built alike.
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
 
 def test_restore_keeps_the_targets_dropout_p_and_warns_naming_the_path(tmp_path):
@@ -76,7 +78,7 @@ def test_equal_configuration_restores_without_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         restored = checkpoints.restore_checkpoint(tmp_path, _state(p=0.3, seed=2))
-    assert_trees_equal(restored, _state(p=0.3, seed=1))
+    assert_trees_equal(_arrays(restored), _arrays(_state(p=0.3, seed=1)))
 
 
 def test_the_warning_can_be_made_an_error(tmp_path):
@@ -178,7 +180,7 @@ def test_restoring_a_replicated_save_unreplicated_says_to_unreplicate(tmp_path):
         "replicated target" in message
     )
     replicated = checkpoints.restore_checkpoint(tmp_path, eqx_train.replicate(_state(seed=2)))
-    assert_trees_equal(eqx_train.unreplicate(replicated), state)
+    assert_trees_equal(_arrays(eqx_train.unreplicate(replicated)), _arrays(state))
 
 
 def test_a_plain_shape_mismatch_gets_no_replication_hint(tmp_path):

@@ -19,7 +19,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from .._tree import path_to_name
-from . import _files, _format, _multiprocess, _names, _storage
+from . import _files, _format, _multiprocess, _names, _selection, _storage
 from ._async import AsyncManager
 
 T = TypeVar("T")
@@ -38,6 +38,7 @@ def save_checkpoint(
     async_manager: AsyncManager | None = None,
     *,
     storage_options: Mapping[str, Any] | None = None,
+    filter_spec: Any = None,
 ) -> str:
     """Saves `target` as `{ckpt_dir}/{prefix}{step}.safetensors` and prunes old checkpoints.
 
@@ -75,6 +76,10 @@ def save_checkpoint(
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
+    - `filter_spec`: save only the leaves it selects, Equinox's convention (as in
+      `eqx.tree_serialise_leaves`): a filter such as `eqx.is_array` (the arrays, no Python
+      configuration), a bool, or a pytree prefix of `target` of those. The file records
+      `None` for the leaves left out. Default: every leaf.
 
     **Returns:**
 
@@ -90,7 +95,7 @@ def save_checkpoint(
     """
     return save_pipeline(
         ckpt_dir,
-        target,
+        _selection.filtered_for_saving(target, filter_spec),
         step,
         prefix=prefix,
         overwrite=overwrite,
@@ -372,6 +377,8 @@ def restore_checkpoint(
     strict: bool = True,
     verify: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -383,7 +390,8 @@ def restore_checkpoint(
       read from the file by their key path; non-array leaves (activation functions, static
       fields) are kept from `target`. `jax.Array` leaves come back with the target's sharding;
       `jax.ShapeDtypeStruct` leaves become arrays of that shape, dtype and sharding; NumPy
-      leaves stay NumPy; Python scalars get the file's value only if it converts exactly.
+      leaves stay NumPy; Python scalars in dicts, lists and tuples get the file's value only
+      if it converts exactly; the Python scalars of Equinox modules follow `config`.
       With `target=None`, returns the saved tree as nested dicts, lists and tuples of NumPy
       arrays (Equinox modules and other nodes as dicts of their fields; empty containers as
       empty containers).
@@ -401,6 +409,15 @@ def restore_checkpoint(
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
       From an object store only the byte ranges of the needed tensors are fetched, in
       parallel requests.
+    - `config`: where the Python `bool`/`int`/`float` fields of the target's Equinox modules
+      come from: their configuration, such as `eqx.nn.Dropout`'s `p` and `inference`.
+      `"target"` (default): the target's values are kept; saved values that differ raise a
+      `ConfigMismatchWarning` naming each path and both values, and a file without them
+      (saved with `filter_spec=eqx.is_array`) is fine. `"saved"`: the file's values, which
+      must convert exactly, as for other Python scalars.
+    - `filter_spec`: restore only the leaves it selects (Equinox's convention: a filter such
+      as `eqx.is_array`, a bool, or a pytree prefix of `target` of those); the others keep
+      the target's values, and the file's tensors for them are ignored. Default: every leaf.
 
     **Returns:**
 
@@ -411,9 +428,11 @@ def restore_checkpoint(
 
     `ValueError` for a missing `step` (naming the available ones) and for a file that does
     not match `target` (listing each path with what the file has and what the target
-    expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
+    expects; when every array has an extra leading axis, as a state saved replicated does,
+    saying so); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
+    _selection.check_config(config, "restore_checkpoint")
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     named_gone: FileNotFoundError | None = None
     for attempt in range(_RESTORE_ATTEMPTS):
@@ -424,7 +443,15 @@ def restore_checkpoint(
             return target
         try:
             with open_reader(store, path) as reader:
-                return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
+                return _restore_one(
+                    reader,
+                    target,
+                    strict=strict,
+                    parallel=parallel,
+                    verify=verify,
+                    config=config,
+                    filter_spec=filter_spec,
+                )
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
@@ -476,13 +503,14 @@ def _expected(kind: _format.LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dt
     return tuple(data.shape), np.dtype(data.dtype)
 
 
-def _fail(path: str, problems: list[str], strict: bool, caller: str) -> None:
+def _fail(path: str, problems: list[str], strict: bool, caller: str, hint: str = "") -> None:
     listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
     listed += f"\n  ... and {more} more" if more > 0 else ""
     raise ValueError(
         f"{caller}: {path} does not match the target:\n  {listed}\n"
-        "Pass target=None to load the file as saved"
+        + (f"{hint}\n" if hint else "")
+        + "Pass target=None to load the file as saved"
         + (", or strict=False to restore only the leaves present in both." if strict else ".")
     )
 
@@ -495,6 +523,8 @@ def _restore_from(
     parallel: bool,
     verify: bool,
     caller: str = "restore_checkpoint",
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
 ) -> Any:
     # `reader`: a `Reader`, or any reader with the same interface (path, bad, arrays, read,
     # read_many, has_description, description), such as interop's Hugging Face layout.
@@ -516,7 +546,10 @@ def _restore_from(
     saved_keys = _saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
     leaves = [leaf for _, leaf in pairs]
+    chosen = _selection.selected(target, filter_spec)
     slots: list[tuple[int, str, _format.LeafKind]] = []
+    config_slots: list[tuple[int, str, _format.LeafKind]] = []  # compared, not taken
+    shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
     problems: list[str] = []
     mismatched: list[str] = []
     used: set[str] = set()
@@ -525,14 +558,24 @@ def _restore_from(
         if kind is None:
             continue  # not data: kept from the target
         name = path_to_name(key_path)
+        if not chosen[index]:
+            used.add(name)  # left out by filter_spec: kept from the target, never "extra"
+            continue
+        is_config = (
+            config == "target"
+            and kind.scalar_type is not None
+            and _selection.is_module_field(target, key_path)
+        )
         shape, dtype = _expected(kind, leaf)
         expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
         if name not in available:
-            if strict:
+            if strict and not is_config:
                 problems.append(f"'{name}': missing from the file, target expects {expectation}")
             continue
         used.add(name)
         file_shape, file_dtype = available[name]
+        if dtype is not None:
+            shared_arrays.append((file_shape, file_dtype, shape, dtype))
         numeric = file_dtype.kind in "biuf"
         if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
             mismatched.append(name)
@@ -549,7 +592,7 @@ def _restore_from(
                 f"{jax.random.key_impl(leaf)}"
             )
             continue
-        slots.append((index, name, kind))
+        (config_slots if is_config else slots).append((index, name, kind))
     if strict:
         for name, (shape, dtype) in available.items():
             if name not in used:
@@ -560,9 +603,10 @@ def _restore_from(
         # A file whose header was corrupted can look like a mismatch: its checksums say which.
         for name in mismatched:
             reader.read(name, verify=True)
-        _fail(reader.path, problems, strict, caller)
+        _fail(reader.path, problems, strict, caller, _selection.replicated_hint(shared_arrays))
 
     whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]
+    whole += [name for _, name, _ in config_slots]
     arrays = reader.read_many(whole, verify=verify, parallel=parallel)
     for index, name, kind in slots:
         leaf = leaves[index]
@@ -575,6 +619,11 @@ def _restore_from(
             problems.append(f"'{name}': {error}")
     if problems:
         _fail(reader.path, problems, strict, caller)
+    differences = _selection.config_differences(
+        [(name, leaves[index], kind, arrays[name]) for index, name, kind in config_slots]
+    )
+    if differences:
+        _selection.warn_config(reader.path, differences, caller)
     return jtu.tree_unflatten(treedef, leaves)
 
 

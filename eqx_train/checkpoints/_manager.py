@@ -412,10 +412,17 @@ class CheckpointManager:
         raw = _metadata_of(self._store, self._path(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
-    def restore(self, target: T, step: _names.Step | Literal["best"] | None = None) -> T:
+    def restore(
+        self,
+        target: T,
+        step: _names.Step | Literal["best"] | None = None,
+        *,
+        config: Literal["target", "saved"] = "target",
+        filter_spec: Any = None,
+    ) -> T:
         """Restores `step` (default: the latest; `"best"`: the best by `best_metric`) into
-        the structure of `target`, as `restore_checkpoint` does. With no checkpoint and
-        `step=None`, returns `target` unchanged."""
+        the structure of `target`, as `restore_checkpoint` does (with its `config` and
+        `filter_spec`). With no checkpoint and `step=None`, returns `target` unchanged."""
         self.wait()
         if step == "best":
             best = self.best_step()
@@ -431,6 +438,8 @@ class CheckpointManager:
             step=step,
             prefix=self.prefix,
             storage_options=self.storage_options,
+            config=config,
+            filter_spec=filter_spec,
         )
 
     # ------------------------------------------------------------------ internals

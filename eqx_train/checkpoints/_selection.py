@@ -79,13 +79,28 @@ def is_module_field(target: Any, key_path: Sequence[Any]) -> bool:
     return isinstance(node, eqx.Module)
 
 
-def same_value(a: Any, b: Any) -> bool:
+def _same_value(a: Any, b: Any) -> bool:
     """Python scalars equal as values of their own types (NaN equals NaN; 1 is not True)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
     return a == b
+
+
+def config_differences(found: list[tuple[str, Any, Any, Any]]) -> list[str]:
+    """`'path': saved X, target Y` for each `(name, target leaf, leaf kind, file array)` whose
+    saved value is not the target's (a value that does not convert exactly counts as
+    different, and is shown as saved)."""
+    differences = []
+    for name, leaf, kind, array in found:
+        try:
+            saved = kind.fill(leaf, array)
+        except ValueError:
+            saved = array[()].item()
+        if not _same_value(saved, leaf):
+            differences.append(f"'{name}': saved {saved!r}, target {leaf!r}")
+    return differences
 
 
 def warn_config(path: str, differences: list[str], caller: str) -> None:
@@ -96,7 +111,7 @@ def warn_config(path: str, differences: list[str], caller: str) -> None:
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),
-        stacklevel=4,
+        stacklevel=5,  # the caller of restore_checkpoint
     )
 
 
