@@ -157,6 +157,13 @@ def test_config_must_be_target_or_saved(tmp_path, without_type_checks):
         checkpoints.restore_checkpoint(tmp_path, {"x": np.ones(1)}, config="file")
 
 
+def test_manager_save_with_filter_spec_saves_arrays_only(tmp_path):
+    manager = checkpoints.CheckpointManager(tmp_path, handle_sigterm=False)
+    manager.save(1, _state(p=0.1, seed=1), filter_spec=eqx.is_array)
+    assert checkpoints.restore_checkpoint(tmp_path, None)["model"]["dropout"]["p"] is None
+    assert manager.restore(_state(p=0.3)).model.dropout.p == 0.3
+
+
 def test_manager_restore_passes_config_and_filter_spec(tmp_path):
     manager = checkpoints.CheckpointManager(tmp_path, handle_sigterm=False)
     manager.save(1, _state(p=0.1, seed=1))

@@ -226,6 +226,7 @@ def save_checkpoint_multiprocess(
     *,
     timeout_s: int | float = 300.0,
     storage_options: Mapping[str, Any] | None = None,
+    filter_spec: Any = None,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
 
@@ -255,7 +256,7 @@ def save_checkpoint_multiprocess(
     caller = "save_checkpoint_multiprocess"
     return save_pipeline(
         ckpt_dir,
-        target,
+        _selection.filtered_for_saving(target, filter_spec),
         step,
         prefix=prefix,
         overwrite=overwrite,

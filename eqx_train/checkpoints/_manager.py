@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _files, _names, _storage
+from . import _coordination, _files, _names, _selection, _storage
 from ._async import AsyncManager
 from ._checkpoints import open_reader, restore_checkpoint, save_pipeline
 
@@ -236,6 +236,7 @@ class CheckpointManager:
         metrics: Mapping[str, ArrayLike] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
+        filter_spec: Any = None,
     ) -> str:
         """Saves `state` at `step` with its metrics and metadata; returns the file's path.
 
@@ -247,6 +248,8 @@ class CheckpointManager:
         - `metrics`: name -> number, stored in the file; used by `best_metric`.
         - `metadata`: any JSON-serialisable dict (hyperparameters, model config, git
           revision), stored in the file.
+        - `filter_spec`: save only the leaves it selects, as for `save_checkpoint`
+          (`eqx.is_array`: the arrays, no Python configuration).
 
         Raises the error of a failed previous background save, if any.
         """
@@ -257,7 +260,7 @@ class CheckpointManager:
         }
         path = save_pipeline(
             self.directory,
-            state,
+            _selection.filtered_for_saving(state, filter_spec),
             step,
             prefix=self.prefix,
             overwrite=overwrite,
