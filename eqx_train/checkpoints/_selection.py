@@ -111,7 +111,7 @@ def warn_config(path: str, differences: list[str], caller: str) -> None:
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),
-        stacklevel=5,  # the caller of restore_checkpoint
+        stacklevel=6,  # the caller of restore_checkpoint
     )
 
 
