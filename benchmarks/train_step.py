@@ -8,8 +8,9 @@ step and ratios measured in the same run.
 
 - one device, batch 128: flax `TrainState` + `jax.jit`, `eqx.filter_jit`, `eqx_train.jit_step`;
 - 8 devices, global batch 1024 (128 per device): flax's pmap step (flax `TrainState`,
-  `flax.jax_utils.replicate`, `lax.pmean`), eqx_train's pmap track (`replicate`, `pmean`),
-  and eqx_train's mesh track (`jax.jit` via `jit_step`, the state replicated with
+  `flax.jax_utils.replicate`, `lax.pmean`), eqx_train's pmap track (`replicate`, `pmean`,
+  `eqx_train.pmap_step`), `eqx.filter_pmap` on the whole replicated `TrainState`, and
+  eqx_train's mesh track (`jax.jit` via `jit_step`, the state replicated with
   `NamedSharding(mesh, P())`, the batch placed with `shard_to_mesh`).
 
     python benchmarks/train_step.py
@@ -166,10 +167,9 @@ def eight_devices(width: int) -> dict[str, float]:
         eqx_train.TrainState.create(model=_copy(model), tx=tx), eqx.is_array
     )
 
-    def pmap_step(arrays, x, y):
-        state = eqx.combine(arrays, static)
+    def pmap_train_step(state, x, y):
         grads = eqx_train.pmean(eqx.filter_grad(_loss)(state.model, x, y), "batch")
-        return eqx.filter(state.apply_gradients(grads=grads), eqx.is_array)
+        return state.apply_gradients(grads=grads)
 
     pmap_batch = jax.device_put(eqx_train.shard((x, y)), device_axis)
 
@@ -191,10 +191,17 @@ def eight_devices(width: int) -> dict[str, float]:
                 *flax_batch,
                 in_flight=IN_FLIGHT,
             ),
-            "eqx_train pmap track": _Loop(
+            "eqx_train.pmap_step": _Loop(
                 steps,
-                jax.pmap(pmap_step, axis_name="batch", donate_argnums=0),
+                eqx_train.pmap_step(pmap_train_step, static),
                 eqx_train.replicate(arrays),
+                *pmap_batch,
+                in_flight=IN_FLIGHT,
+            ),
+            "eqx.filter_pmap (whole state)": _Loop(
+                steps,
+                eqx.filter_pmap(pmap_train_step, axis_name="batch", donate="all"),
+                eqx_train.replicate(eqx_train.TrainState.create(model=_copy(model), tx=tx)),
                 *pmap_batch,
                 in_flight=IN_FLIGHT,
             ),
@@ -225,7 +232,7 @@ def main() -> None:
         )
 
         times = eight_devices(width)
-        flax_pmap, pmap = times["flax pmap step"], times["eqx_train pmap track"]
+        flax_pmap, pmap = times["flax pmap step"], times["eqx_train.pmap_step"]
         for name, seconds in times.items():
             parallel_rows.append(
                 [
@@ -240,7 +247,10 @@ def main() -> None:
         summary[f"mesh_vs_flax_pmap_w{width}"] = round(
             times["eqx_train mesh track (jit)"] / flax_pmap, 3
         )
-        summary[f"pmap_vs_flax_pmap_w{width}"] = round(pmap / flax_pmap, 3)
+        summary[f"pmap_step_vs_flax_pmap_w{width}"] = round(pmap / flax_pmap, 3)
+        summary[f"filter_pmap_vs_flax_pmap_w{width}"] = round(
+            times["eqx.filter_pmap (whole state)"] / flax_pmap, 3
+        )
     platform = jax.devices()[0].platform
     print_table(
         f"train step, one device, MLP depth 3, batch {PER_DEVICE_BATCH}, {platform}, medians",
@@ -250,7 +260,7 @@ def main() -> None:
     print_table(
         f"data-parallel train step, {jax.device_count()} {platform} devices, MLP depth 3, "
         f"global batch {jax.device_count() * PER_DEVICE_BATCH}, medians",
-        ["width", "variant", "us/step", "vs flax pmap", "vs eqx_train pmap"],
+        ["width", "variant", "us/step", "vs flax pmap", "vs pmap_step"],
         parallel_rows,
     )
     print(json.dumps({"benchmark": "train_step", "jax": jax.__version__, **summary}))

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     )
     from .common_utils import (
         get_metrics as get_metrics,
+        numpy_rng_from_state as numpy_rng_from_state,
+        numpy_rng_state as numpy_rng_state,
         onehot as onehot,
         shard as shard,
         shard_prng_key as shard_prng_key,
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
         create_stepped_learning_rate_schedule as create_stepped_learning_rate_schedule,
     )
     from .train_state import TrainState as TrainState
-    from .train_step import jit_step as jit_step
+    from .train_step import jit_step as jit_step, pmap_step as pmap_step
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
 __getattr__, __dir__ = exports(
@@ -52,6 +54,8 @@ __getattr__, __dir__ = exports(
         "jax_utils": "jax_utils",
         "lr_schedule": "lr_schedule",
         "get_metrics": "common_utils",
+        "numpy_rng_from_state": "common_utils",
+        "numpy_rng_state": "common_utils",
         "onehot": "common_utils",
         "shard": "common_utils",
         "shard_prng_key": "common_utils",
@@ -71,6 +75,7 @@ __getattr__, __dir__ = exports(
         "EarlyStopping": "early_stopping",
         "TrainState": "train_state",
         "jit_step": "train_step",
+        "pmap_step": "train_step",
     },
 )
 

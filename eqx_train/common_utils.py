@@ -1,6 +1,7 @@
 """Helpers for data parallelism: `shard`, `shard_prng_key`, `stack_forest`, `get_metrics`,
-`onehot` (the `flax.training.common_utils` API, pmap track) and `shard_to_mesh`, the mesh
-track's counterpart of `shard`."""
+`onehot` (the `flax.training.common_utils` API, pmap track), `shard_to_mesh`, the mesh
+track's counterpart of `shard`, and `numpy_rng_state` / `numpy_rng_from_state`, which put a
+NumPy `Generator` into a checkpoint."""
 
 from __future__ import annotations
 
@@ -17,7 +18,16 @@ from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
 from ._tree import is_array, map_array_leaves_batched, map_arrays_with_path, path_to_name
 from .jax_utils import _batch_sharding, _pad_rows, unreplicate
 
-__all__ = ["get_metrics", "onehot", "shard", "shard_prng_key", "shard_to_mesh", "stack_forest"]
+__all__ = [
+    "get_metrics",
+    "numpy_rng_from_state",
+    "numpy_rng_state",
+    "onehot",
+    "shard",
+    "shard_prng_key",
+    "shard_to_mesh",
+    "stack_forest",
+]
 
 
 def shard(xs: PyTree, num_devices: int | None = None) -> PyTree:
@@ -241,3 +251,134 @@ def onehot(
     labels = jnp.asarray(labels)
     hits = labels[..., None] == jnp.arange(num_classes).reshape((1,) * labels.ndim + (-1,))
     return jnp.where(hits, on_value, off_value).astype(jnp.float32)
+
+
+# ------------------------------------------------------------- NumPy generators in checkpoints
+
+# Two uint64 words hold the widest integer a NumPy bit generator keeps (PCG64's 128-bit state
+# and increment); every integer of a state is stored this way, so the shapes never depend on
+# the values and any generator of the same kind is a restore target.
+_WORDS = 2
+_WORD = 64
+
+
+def numpy_rng_state(rng: np.random.Generator) -> dict[str, Any]:
+    """Returns the state of a NumPy `Generator` as a pytree a checkpoint can hold.
+
+    `rng.bit_generator.state` holds Python integers of up to 128 bits (PCG64), which no
+    array dtype holds, so checkpoints refuse it as a leaf. This is the same state with
+    every integer as two `uint64` words (low, high), arrays copied as they are, and the
+    bit generator's name kept as a string. Save it with the training state and rebuild the
+    generator with `numpy_rng_from_state`; the rebuilt generator continues the stream exactly.
+
+    **Arguments:**
+
+    - `rng`: a `numpy.random.Generator` over any of NumPy's bit generators (PCG64,
+      PCG64DXSM, MT19937, Philox, SFC64).
+
+    **Returns:**
+
+    A dict of NumPy arrays and strings. To restore into a target, build the target with
+    `numpy_rng_state` of any generator over the same bit generator (e.g.
+    `np.random.default_rng(0)` for PCG64).
+
+    **Example:**
+
+    ```python
+    import numpy as np
+    from eqx_train import numpy_rng_from_state, numpy_rng_state
+
+    rng = np.random.default_rng(7)
+    rng.random(3)
+    saved = numpy_rng_state(rng)
+    expected = rng.random(5)
+    assert np.array_equal(numpy_rng_from_state(saved).random(5), expected)
+    ```
+    """
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(
+            f"numpy_rng_state: expected a numpy.random.Generator, got {type(rng).__name__}."
+        )
+    return _encode_rng(rng.bit_generator.state, ())
+
+
+def _encode_rng(node: Any, path: tuple[str, ...]) -> Any:
+    where = ".".join(path) or "<root>"
+    if isinstance(node, dict):
+        return {key: _encode_rng(value, (*path, str(key))) for key, value in node.items()}
+    if isinstance(node, str):
+        return node
+    if isinstance(node, int | np.integer):
+        value = int(node)
+        if not 0 <= value < 2 ** (_WORDS * _WORD):
+            raise ValueError(
+                f"numpy_rng_state: the integer at '{where}' of the generator's state does not "
+                f"fit in {_WORDS * _WORD} unsigned bits: {value}."
+            )
+        words = [(value >> (_WORD * i)) & (2**_WORD - 1) for i in range(_WORDS)]
+        return np.array(words, np.uint64)
+    if isinstance(node, np.ndarray):
+        return node.copy()
+    raise TypeError(
+        f"numpy_rng_state: the generator's state holds a {type(node).__name__} at '{where}', "
+        "which has no array form."
+    )
+
+
+def numpy_rng_from_state(state: dict[str, Any]) -> np.random.Generator:
+    """Returns a new NumPy `Generator` in the state `numpy_rng_state` recorded.
+
+    **Arguments:**
+
+    - `state`: the output of `numpy_rng_state`, or the same tree as restored from a
+      checkpoint (NumPy or JAX arrays).
+
+    **Returns:**
+
+    A `numpy.random.Generator` over a new bit generator of the recorded kind, whose next
+    draws are those the saved generator would have made.
+
+    **Raises:**
+
+    `ValueError` (or `TypeError`) naming the path in `state` that does not have the shape,
+    dtype or kind the recorded bit generator needs, or an unknown bit generator name.
+    """
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    kind = getattr(np.random, name, None) if isinstance(name, str) else None
+    if not (isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
+        raise ValueError(
+            "numpy_rng_from_state: 'bit_generator' must name one of NumPy's bit generators "
+            f"(PCG64, MT19937, ...), got {name!r}."
+        )
+    bit_generator = kind(0)
+    bit_generator.state = _decode_rng(bit_generator.state, state, ())
+    return np.random.Generator(bit_generator)
+
+
+def _decode_rng(template: Any, node: Any, path: tuple[str, ...]) -> Any:
+    where = ".".join(path) or "<root>"
+    if isinstance(template, dict):
+        if not isinstance(node, dict) or set(node) != set(template):
+            found = sorted(node) if isinstance(node, dict) else type(node).__name__
+            raise ValueError(
+                f"numpy_rng_from_state: '{where}' must have the keys {sorted(template)}, "
+                f"found {found}."
+            )
+        return {key: _decode_rng(template[key], node[key], (*path, key)) for key in template}
+    if isinstance(template, str):
+        return template
+    expected = (
+        ((_WORDS,), np.dtype(np.uint64))
+        if isinstance(template, int)
+        else (template.shape, template.dtype)
+    )
+    array = np.asarray(node) if is_array(node) else None
+    if array is None or (array.shape, array.dtype) != expected:
+        found = f"{array.shape} {array.dtype}" if array is not None else type(node).__name__
+        raise ValueError(
+            f"numpy_rng_from_state: '{where}' must be an array {expected[0]} {expected[1]}, "
+            f"found {found}."
+        )
+    if isinstance(template, int):
+        return sum(int(word) << (_WORD * i) for i, word in enumerate(array.tolist()))
+    return array.copy()

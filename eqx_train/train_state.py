@@ -17,6 +17,8 @@ from ._tree import leaves_with_names
 
 __all__ = ["TrainState"]
 
+_MISSING: Any = object()  # `create`'s `model` when omitted (None is a valid pytree)
+
 
 def _describe_mismatch(grads: PyTree, params: PyTree) -> str:
     grad_names = {name for name, _ in leaves_with_names(grads)[0]}
@@ -111,8 +113,9 @@ class TrainState(eqx.Module):
 
     !!! note "Differences from flax"
         There is no `apply_fn`: an Equinox model is callable. `params` is kept as a read-only
-        alias of `model`. `step` is an int32 array rather than a Python int, so `filter_jit`
-        does not retrace every step.
+        alias of `model` (so `create(apply_fn=, params=, tx=)` raises, explaining the
+        mapping). `state.replace(**fields)` works as in flax. `step` is an int32 array
+        rather than a Python int, so `filter_jit` does not retrace every step.
     """
 
     step: Int[Array, ""]
@@ -128,7 +131,7 @@ class TrainState(eqx.Module):
     def create(
         cls,
         *,
-        model: PyTree,
+        model: PyTree = _MISSING,
         tx: optax.GradientTransformation,
         trainable: Callable[[Any], bool] = eqx.is_inexact_array,
         **kwargs: Any,
@@ -137,7 +140,7 @@ class TrainState(eqx.Module):
 
         **Arguments:**
 
-        - `model`: the params pytree or Equinox model to train.
+        - `model`: the params pytree or Equinox model to train (required).
         - `tx`: the Optax optimiser.
         - `trainable`: filter choosing which leaves `tx` sees (default `eqx.is_inexact_array`).
         - `**kwargs`: values for the extra fields of a subclass.
@@ -145,7 +148,13 @@ class TrainState(eqx.Module):
         **Returns:**
 
         A `TrainState` (or the subclass `create` was called on).
+
+        **Raises:**
+
+        `TypeError` for flax's keywords `params=` / `apply_fn=` (saying what to pass
+        instead), a missing `model`, and keywords that are not fields of the class.
         """
+        _check_flax_keywords(cls, model, kwargs)
         _check_tx_and_filter(tx, trainable)
         opt_state = tx.init(eqx.filter(model, trainable))
         return cls(
@@ -156,6 +165,45 @@ class TrainState(eqx.Module):
             trainable=trainable,
             **kwargs,
         )
+
+    def replace(self, **fields: Any) -> "TrainState":
+        """Returns a copy of the state with `fields` replaced: flax's `state.replace(...)`.
+
+        Nothing is recomputed: replacing `model` keeps `opt_state` as it is (as in flax),
+        and `tx`/`trainable` are checked as at creation. Works inside `jit`.
+
+        **Arguments:**
+
+        - `**fields`: new values by field name (`step`, `model`, `opt_state`, `tx`,
+          `trainable`, or a subclass's fields).
+
+        **Returns:**
+
+        A new state of the same class; `self` is unchanged.
+
+        **Raises:**
+
+        `TypeError` naming the unknown field(s) and listing the valid ones. flax's
+        `params=` is read as `model=` would not be: it raises, saying to pass `model=`.
+
+        ```python
+        import jax, optax
+        from eqx_train import TrainState
+
+        state = TrainState.create(model={"w": jax.numpy.ones(3)}, tx=optax.sgd(0.1))
+        later = state.replace(step=state.step + 10)
+        assert int(later.step) == 10 and int(state.step) == 0
+        ```
+        """
+        if "params" in fields and "params" not in _field_names(self):
+            raise TypeError(
+                f"{type(self).__name__}.replace: flax's `params` is the field `model` here; "
+                "call state.replace(model=...)."
+            )
+        new = _replace(self, tuple(fields), tuple(fields.values()))
+        if "tx" in fields or "trainable" in fields:
+            _check_tx_and_filter(new.tx, new.trainable)
+        return new
 
     @property
     def params(self) -> PyTree:
@@ -202,13 +250,36 @@ class TrainState(eqx.Module):
         return _replace(self, names, values)
 
 
+def _field_names(cls_or_module: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls_or_module)]
+
+
+def _check_flax_keywords(cls: type, model: Any, kwargs: dict[str, Any]) -> None:
+    """flax's `create(apply_fn=, params=, tx=)` maps onto `create(model=, tx=)`: say so."""
+    fields = _field_names(cls)
+    flax_only = [k for k in ("apply_fn", "params") if k in kwargs and k not in fields]
+    if flax_only:
+        raise TypeError(
+            f"{cls.__name__}.create got flax's keyword(s) {flax_only}. Here `model=` takes "
+            "what flax calls `params` (a params pytree, or an Equinox model, which is its own "
+            "apply function), and there is no `apply_fn`: call the model, or keep the apply "
+            "function outside the state (or add a static field for it in a subclass). "
+            f"Call {cls.__name__}.create(model=params_or_model, tx=tx)."
+        )
+    if model is _MISSING:
+        raise TypeError(
+            f"{cls.__name__}.create: missing the keyword argument `model` (the params pytree "
+            f"or Equinox model to train): {cls.__name__}.create(model=..., tx=...)."
+        )
+
+
 def _replace(module: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
     """A copy of `module` with fields `names` set to `values`.
 
     Bypasses `__init__` (a subclass may define its own with another signature) the way
     `dataclasses.replace` cannot; the module stays immutable to everyone else.
     """
-    fields = [f.name for f in dataclasses.fields(module)]
+    fields = _field_names(module)
     unknown = [n for n in names if n not in fields]
     if unknown:
         raise TypeError(

@@ -1,15 +1,16 @@
-"""`jit_step`: a training step that partitions the state once and donates its buffers."""
+"""`jit_step` and `pmap_step`: training steps that partition the state once and donate its
+buffers, for the mesh track (`jax.jit`) and the pmap track (`jax.pmap`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-__all__ = ["jit_step"]
+__all__ = ["jit_step", "pmap_step"]
 
 
 def jit_step(
@@ -73,6 +74,92 @@ def jit_step(
     Raises `ValueError` at trace time if `fn` changes the non-array part of the state (a new
     activation function, a different optimiser), because the loop could not carry it.
     """
+    traced = _rebuild_and_check(fn, static, has_aux, caller="jit_step")
+    return jax.jit(traced, donate_argnums=(0,) if donate else ())
+
+
+def pmap_step(
+    fn: Callable[..., Any],
+    static: PyTree,
+    *,
+    axis_name: Hashable = "batch",
+    has_aux: bool = False,
+    donate: bool = True,
+    devices: Sequence[Any] | None = None,
+) -> Callable[..., Any]:
+    """`jit_step`'s twin for the pmap track: compiles `fn(state, *args)` with `jax.pmap` over
+    the array part of a replicated state.
+
+    `jax.pmap` accepts only pytrees of arrays, so `jax.pmap(step)(replicate(state), x)` on a
+    whole `TrainState` fails as soon as the model holds a function (an activation, a
+    `custom_jvp` such as `jax.nn.relu`). Partition once, replicate the arrays, and loop with
+    the function this returns: each call is one plain `jax.pmap` dispatch, with the state
+    rebuilt inside the trace and the old buffers donated.
+
+    **Arguments:**
+
+    - `fn`: `fn(state, *args, **kwargs) -> new_state`, or `-> (new_state, aux)` with
+      `has_aux=True`, run on each device's replica; reduce gradients across devices inside
+      it with `eqx_train.pmean(grads, axis_name)`.
+    - `static`: the non-array part of the state from `eqx.partition(state, eqx.is_array)`.
+    - `axis_name`: the name of the mapped device axis inside `fn` (default `"batch"`).
+    - `has_aux`: whether `fn` also returns auxiliary output (loss, metrics).
+    - `donate`: donate the incoming `arrays` (default). Do not reuse an `arrays` after
+      passing it in when this is on.
+    - `devices`: the devices to map over, as for `jax.pmap` (default: all local devices).
+
+    **Returns:**
+
+    `step(arrays, *args, **kwargs) -> new_arrays` (or `(new_arrays, aux)`): `arrays` is the
+    array part of the state with a leading device axis (`eqx_train.replicate(arrays)`), and
+    every positional argument is split along its leading axis as `jax.pmap` does (shape
+    `(devices, per_device_batch, ...)`, e.g. from `eqx_train.shard`). The outputs keep the
+    device axis; `eqx.combine(eqx_train.unreplicate(new_arrays), static)` is the state.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
+    import eqx_train
+
+    model = eqx.nn.MLP(2, 1, 32, 2, key=jax.random.key(0))
+    state = eqx_train.TrainState.create(model=model, tx=optax.adam(1e-3))
+
+
+    def train_step(state, x, y):
+        loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(state.model)
+        grads = eqx_train.pmean(grads, "batch")
+        return state.apply_gradients(grads=grads), loss
+
+
+    arrays, static = eqx.partition(state, eqx.is_array)
+    step = eqx_train.pmap_step(train_step, static, has_aux=True)
+    arrays = eqx_train.replicate(arrays)
+    n = jax.local_device_count()
+    x, y = eqx_train.shard((np.ones((4 * n, 2), np.float32), np.zeros((4 * n, 1), np.float32)))
+    for _ in range(3):
+        arrays, loss = step(arrays, x, y)
+    state = eqx.combine(eqx_train.unreplicate(arrays), static)
+    assert int(state.step) == 3 and loss.shape == (n,)
+    ```
+
+    To map over a whole state instead (slower: it re-partitions on every call), use
+    `eqx.filter_pmap(fn, axis_name="batch")(eqx_train.replicate(state), x, y)`.
+
+    Raises `ValueError` at trace time if `fn` changes the non-array part of the state.
+    """
+    traced = _rebuild_and_check(fn, static, has_aux, caller="pmap_step")
+    return jax.pmap(
+        traced, axis_name=axis_name, donate_argnums=(0,) if donate else (), devices=devices
+    )
+
+
+def _rebuild_and_check(
+    fn: Callable[..., Any], static: PyTree, has_aux: bool, *, caller: str
+) -> Callable[..., Any]:
+    """`fn` over the array part of the state: rebuilds the state from `arrays` and `static`
+    inside the trace, and refuses a step that changes the static part."""
     static_structure = jax.tree.structure(static)
 
     def traced(arrays: PyTree, *args: Any, **kwargs: Any) -> Any:
@@ -84,13 +171,13 @@ def jit_step(
             new_static, static
         ):
             raise ValueError(
-                "jit_step: the step function changed the non-array part of the state "
+                f"{caller}: the step function changed the non-array part of the state "
                 "(static fields, functions, structure); only array leaves can change between "
-                "steps. Re-partition and build a new jit_step if the change is intended."
+                f"steps. Re-partition and build a new {caller} if the change is intended."
             )
         return (new_arrays, aux) if has_aux else new_arrays
 
-    return jax.jit(traced, donate_argnums=(0,) if donate else ())
+    return traced
 
 
 def _same_leaves(a: PyTree, b: PyTree) -> bool:

@@ -323,15 +323,14 @@ def pmap_track(static, devices, eval_rows: int) -> Track:
     """jax.pmap, as flax: a replica per device, each batch reshaped to (devices, rows, ...)."""
     n_devices = len(devices)
 
-    def train_step(arrays, x, y, key):
-        state = eqx.combine(arrays, static)
+    def train_step(state, x, y, key):
         grad_fn = eqx.filter_value_and_grad(loss_and_metrics, has_aux=True)
         (_, metrics), grads = grad_fn(state.model, x, y, key)
         grads = eqx_train.pmean(grads, "batch")
-        new_state = state.apply_gradients(grads=grads)
-        return eqx.filter(new_state, eqx.is_array), eqx_train.pmean(metrics, "batch")
+        return state.apply_gradients(grads=grads), eqx_train.pmean(metrics, "batch")
 
-    p_train_step = jax.pmap(train_step, axis_name="batch", donate_argnums=0, devices=devices)
+    # The twin of jit_step: pmaps over the array part of the state, donating it.
+    p_train_step = eqx_train.pmap_step(train_step, static, has_aux=True, devices=devices)
 
     def step(replicated, batch, key):
         keys = eqx_train.shard_prng_key(key, n_devices)  # one dropout key per device

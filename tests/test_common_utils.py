@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax.training import common_utils as flax_cu
 
-from eqx_train import common_utils
+from eqx_train import checkpoints, common_utils
+from eqx_train.common_utils import numpy_rng_from_state, numpy_rng_state
 from tests.helpers import assert_trees_equal
 
 
@@ -98,3 +99,77 @@ def test_onehot_matches_flax_and_handles_out_of_range():
     np.testing.assert_array_equal(
         jax.jit(common_utils.onehot, static_argnums=1)(labels, 4), flax_cu.onehot(labels, 4)
     )
+
+
+# ---------------------------------------------------------------- NumPy generators
+
+
+BIT_GENERATORS = ["PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"]
+
+
+def _used_generator(name):
+    rng = np.random.Generator(getattr(np.random, name)(12345))
+    rng.random(7)
+    rng.integers(0, 2**32, size=3, dtype=np.uint32)  # leaves half a 64-bit draw buffered
+    return rng
+
+
+@pytest.mark.parametrize("name", BIT_GENERATORS)
+def test_numpy_rng_survives_a_checkpoint_and_continues_the_same_stream(tmp_path, name):
+    rng = _used_generator(name)
+    state = numpy_rng_state(rng)
+    checkpoints.save_checkpoint(tmp_path, {"rng": state}, 1)
+    expected = (rng.random(5), rng.integers(0, 2**32, size=5, dtype=np.uint32), rng.normal())
+    template = {"rng": numpy_rng_state(np.random.Generator(getattr(np.random, name)(0)))}
+    for target in (None, template):
+        restored = checkpoints.restore_checkpoint(tmp_path, target)["rng"]
+        again = numpy_rng_from_state(restored)
+        got = (again.random(5), again.integers(0, 2**32, size=5, dtype=np.uint32), again.normal())
+        assert_trees_equal(got, expected)
+
+
+def test_numpy_rng_state_holds_pcg64s_128_bit_integers_as_two_words():
+    rng = np.random.default_rng(3)
+    raw = rng.bit_generator.state["state"]["state"]
+    assert raw >= 2**64  # why the raw state cannot be a leaf
+    words = numpy_rng_state(rng)["state"]["state"]
+    assert words.dtype == np.uint64 and words.shape == (2,)
+    assert int(words[0]) + (int(words[1]) << 64) == raw
+
+
+def test_raw_generator_state_is_refused_by_checkpoints_naming_the_leaf(tmp_path):
+    state = np.random.default_rng(3).bit_generator.state
+    with pytest.raises(OverflowError, match=r"leaf 'state\.(inc|state)' is the int"):
+        checkpoints.save_checkpoint(tmp_path, state, 1)
+
+
+def test_numpy_rng_state_is_a_copy():
+    rng = np.random.Generator(np.random.MT19937(1))
+    state = numpy_rng_state(rng)
+    before = state["state"]["key"].copy()
+    rng.random(1000)
+    np.testing.assert_array_equal(state["state"]["key"], before)
+
+
+def test_numpy_rng_from_state_names_the_path_that_does_not_fit():
+    state = numpy_rng_state(np.random.default_rng(0))
+    state["state"]["inc"] = np.zeros(3, np.uint64)
+    with pytest.raises(ValueError, match=r"'state\.inc' must be an array \(2,\) uint64, found"):
+        numpy_rng_from_state(state)
+    state = numpy_rng_state(np.random.default_rng(0))
+    del state["has_uint32"]
+    with pytest.raises(ValueError, match=r"'<root>' must have the keys"):
+        numpy_rng_from_state(state)
+
+
+@pytest.mark.parametrize("name", ["Generator", "os", 3, "NoSuchGenerator"])
+def test_numpy_rng_from_state_refuses_anything_but_a_bit_generator_name(name):
+    state = numpy_rng_state(np.random.default_rng(0))
+    state["bit_generator"] = name
+    with pytest.raises(ValueError, match="must name one of NumPy's bit generators"):
+        numpy_rng_from_state(state)
+
+
+def test_numpy_rng_state_refuses_a_non_generator(without_type_checks):
+    with pytest.raises(TypeError, match="expected a numpy.random.Generator, got RandomState"):
+        numpy_rng_state(np.random.RandomState(0))  # type: ignore[arg-type]

@@ -1,5 +1,7 @@
 """TrainState: flax's numbers, Equinox models, one compilation, subclassing."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -176,3 +178,72 @@ def test_works_inside_lax_scan():
         looped, _ = body(looped, x)
     assert int(scanned.step) == 6
     assert tree_allclose(scanned.params, looped.params, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- for the flax hand
+
+
+def test_replace_returns_a_new_state_and_leaves_the_old_one():
+    state = TrainState.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1))
+    new_model = jax.tree.map(jnp.zeros_like, state.model)
+    replaced = state.replace(step=jnp.asarray(7, jnp.int32), model=new_model)
+    assert type(replaced) is TrainState
+    assert int(replaced.step) == 7 and int(state.step) == 0
+    assert replaced.model is new_model and state.model is not new_model
+    assert replaced.opt_state is state.opt_state and replaced.tx is state.tx
+
+
+def test_replace_keeps_the_subclass_and_its_fields():
+    class WithStats(TrainState):
+        batch_stats: dict
+
+    state = WithStats.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1), batch_stats={})
+    replaced = state.replace(batch_stats={"mean": jnp.ones(2)})
+    assert type(replaced) is WithStats
+    assert_trees_equal(replaced.batch_stats, {"mean": jnp.ones(2)})
+    assert state.batch_stats == {}
+
+
+def test_replace_works_inside_jit():
+    state = TrainState.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1))
+    bumped = eqx.filter_jit(lambda s: s.replace(step=s.step + 5))(state)
+    assert int(bumped.step) == 5
+
+
+def test_replace_rejects_an_unknown_field_listing_the_fields():
+    state = TrainState.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"no field\(s\) \['batch_stats'\].*'opt_state'"):
+        state.replace(batch_stats={})
+
+
+def test_replace_of_flax_params_says_to_replace_model():
+    state = TrainState.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"replace\(model=\.\.\.\)"):
+        state.replace(params=state.model)
+
+
+def test_replace_checks_a_new_tx(without_type_checks):
+    state = TrainState.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+        state.replace(tx="adam")
+
+
+def test_create_with_flax_keywords_explains_the_mapping():
+    params = _params(jax.random.key(0))
+    with pytest.raises(TypeError, match=r"flax's keyword\(s\) \['apply_fn', 'params'\].*model="):
+        TrainState.create(apply_fn=lambda p, x: x, params=params, tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"\['params'\].*`model=` takes what flax calls `params`"):
+        TrainState.create(params=params, tx=optax.sgd(0.1))
+
+
+def test_create_without_model_names_the_missing_keyword():
+    with pytest.raises(TypeError, match=r"missing the keyword argument `model`"):
+        TrainState.create(tx=optax.sgd(0.1))
+
+
+def test_a_subclass_may_have_an_apply_fn_field():
+    class FlaxLike(TrainState):
+        apply_fn: Callable = eqx.field(static=True)
+
+    state = FlaxLike.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1), apply_fn=_loss)
+    assert state.apply_fn is _loss

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         UnreadableCheckpointWarning as UnreadableCheckpointWarning,
     )
     from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
+    from ._selection import ConfigMismatchWarning as ConfigMismatchWarning
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
 __getattr__, __dir__ = exports(
@@ -30,6 +31,7 @@ __getattr__, __dir__ = exports(
         "BarrierTimeoutError": "_multiprocess",
         "CheckpointFormatError": "_errors",
         "CheckpointManager": "_manager",
+        "ConfigMismatchWarning": "_selection",
         "UnreadableCheckpointWarning": "_manager",
         "available_steps": "_api",
         "convert_pre_linen": "_legacy",
@@ -45,6 +47,7 @@ __all__ = [
     "BarrierTimeoutError",
     "CheckpointFormatError",
     "CheckpointManager",
+    "ConfigMismatchWarning",
     "available_steps",
     "convert_pre_linen",
     "latest_checkpoint",

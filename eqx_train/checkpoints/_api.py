@@ -16,7 +16,16 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from . import _description, _directory, _format, _locations, _multiprocess, _names, _restore
+from . import (
+    _description,
+    _directory,
+    _format,
+    _locations,
+    _multiprocess,
+    _names,
+    _restore,
+    _selection,
+)
 from ._async import AsyncManager
 from ._storage import Storage
 
@@ -34,6 +43,7 @@ def save_checkpoint(
     async_manager: AsyncManager | None = None,
     *,
     storage_options: Mapping[str, Any] | None = None,
+    filter_spec: Any = None,
 ) -> str:
     """Saves `target` as `{ckpt_dir}/{prefix}{step}.safetensors` and prunes old checkpoints.
 
@@ -73,6 +83,10 @@ def save_checkpoint(
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too. Besides,
       `"deadline_s"` bounds the time all of this save's requests may take together (1800 s
       by default; then `TimeoutError` naming the URL, see docs/cloud_storage.md).
+    - `filter_spec`: save only the leaves it selects, Equinox's convention (as in
+      `eqx.tree_serialise_leaves`): a filter such as `eqx.is_array` (the arrays, no Python
+      configuration), a bool, or a pytree prefix of `target` of those. The file records
+      `None` for the leaves left out. Default: every leaf.
 
     **Returns:**
 
@@ -88,7 +102,7 @@ def save_checkpoint(
     """
     return save_pipeline(
         ckpt_dir,
-        target,
+        _selection.filtered_for_saving(target, filter_spec),
         step,
         prefix=prefix,
         overwrite=overwrite,
@@ -248,6 +262,7 @@ def save_checkpoint_multiprocess(
     *,
     timeout_s: int | float = 300.0,
     storage_options: Mapping[str, Any] | None = None,
+    filter_spec: Any = None,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
 
@@ -277,7 +292,7 @@ def save_checkpoint_multiprocess(
     caller = "save_checkpoint_multiprocess"
     return save_pipeline(
         ckpt_dir,
-        target,
+        _selection.filtered_for_saving(target, filter_spec),
         step,
         prefix=prefix,
         overwrite=overwrite,
@@ -351,6 +366,8 @@ def restore_checkpoint(
     strict: bool = True,
     verify: bool = True,
     storage_options: Mapping[str, Any] | None = None,
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -362,7 +379,8 @@ def restore_checkpoint(
       read from the file by their key path; non-array leaves (activation functions, static
       fields) are kept from `target`. `jax.Array` leaves come back with the target's sharding;
       `jax.ShapeDtypeStruct` leaves become arrays of that shape, dtype and sharding; NumPy
-      leaves stay NumPy; Python scalars get the file's value only if it converts exactly.
+      leaves stay NumPy; Python scalars in dicts, lists and tuples get the file's value only
+      if it converts exactly; the Python scalars of Equinox modules follow `config`.
       With `target=None`, returns the saved tree as nested dicts, lists and tuples of NumPy
       arrays (Equinox modules and other nodes as dicts of their fields; empty containers as
       empty containers).
@@ -380,6 +398,15 @@ def restore_checkpoint(
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
       From an object store only the byte ranges of the needed tensors are fetched, in
       parallel requests.
+    - `config`: where the Python `bool`/`int`/`float` fields of the target's Equinox modules
+      come from: their configuration, such as `eqx.nn.Dropout`'s `p` and `inference`.
+      `"target"` (default): the target's values are kept; saved values that differ raise a
+      `ConfigMismatchWarning` naming each path and both values, and a file without them
+      (saved with `filter_spec=eqx.is_array`) is fine. `"saved"`: the file's values, which
+      must convert exactly, as for other Python scalars.
+    - `filter_spec`: restore only the leaves it selects (Equinox's convention: a filter such
+      as `eqx.is_array`, a bool, or a pytree prefix of `target` of those); the others keep
+      the target's values, and the file's tensors for them are ignored. Default: every leaf.
 
     **Returns:**
 
@@ -390,10 +417,21 @@ def restore_checkpoint(
 
     `ValueError` for a missing `step` (naming the available ones) and for a file that does
     not match `target` (listing each path with what the file has and what the target
-    expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
+    expects; when every array has an extra leading axis, as a state saved replicated does,
+    saying so); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
+    _selection.check_config(config, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
-        store, where, target, step, prefix, strict=strict, parallel=parallel, verify=verify
+        store,
+        where,
+        target,
+        step,
+        prefix,
+        strict=strict,
+        parallel=parallel,
+        verify=verify,
+        config=config,
+        filter_spec=filter_spec,
     )

@@ -20,7 +20,16 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _directory, _errors, _format, _locations, _names, _storage
+from . import (
+    _coordination,
+    _directory,
+    _errors,
+    _format,
+    _locations,
+    _names,
+    _selection,
+    _storage,
+)
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
@@ -303,6 +312,7 @@ class CheckpointManager:
         metrics: Mapping[str, ArrayLike] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
+        filter_spec: Any = None,
     ) -> str:
         """Saves `state` at `step` with its metrics and metadata; returns the file's path.
 
@@ -314,6 +324,8 @@ class CheckpointManager:
         - `metrics`: name -> number, stored in the file; used by `best_metric`.
         - `metadata`: any JSON-serialisable dict (hyperparameters, model config, git
           revision), stored in the file.
+        - `filter_spec`: save only the leaves it selects, as for `save_checkpoint`
+          (`eqx.is_array`: the arrays, no Python configuration).
 
         Raises the error of a failed previous background save, if any.
         """
@@ -329,7 +341,7 @@ class CheckpointManager:
 
         path = save_pipeline(
             self.directory,
-            state,
+            _selection.filtered_for_saving(state, filter_spec),
             step,
             prefix=self.prefix,
             overwrite=overwrite,
@@ -489,6 +501,8 @@ class CheckpointManager:
         step: _names.Step | Literal["best"] | None = None,
         *,
         fallback: bool = True,
+        config: Literal["target", "saved"] = "target",
+        filter_spec: Any = None,
     ) -> T:
         """Restores a checkpoint into the structure of `target`, as `restore_checkpoint`
         does.
@@ -504,6 +518,8 @@ class CheckpointManager:
           naming each checkpoint skipped. `False` raises the error instead. A checkpoint
           that reads fine but does not match `target` is never skipped (that is an error
           in the target), and a requested step or `"best"` never falls back.
+        - `config`, `filter_spec`: as for `restore_checkpoint` (the target's Python
+          configuration wins by default; `filter_spec` restores a part of the tree).
 
         **Returns:**
 
@@ -526,8 +542,9 @@ class CheckpointManager:
         them skip it.
         """
         self.wait()
+        options: dict[str, Any] = {"config": config, "filter_spec": filter_spec}
         if step == "best":
-            return self._restore_best(target)
+            return self._restore_best(target, options)
         if step is not None or not fallback:
             return restore_checkpoint(
                 self.directory,
@@ -535,8 +552,9 @@ class CheckpointManager:
                 step=step,
                 prefix=self.prefix,
                 storage_options=self.storage_options,
+                **options,
             )
-        return self._restore_latest_that_verifies(target)
+        return self._restore_latest_that_verifies(target, options)
 
     # ------------------------------------------------------------------ internals
 
@@ -661,7 +679,7 @@ class CheckpointManager:
             return ranked[0] if ranked else None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _restore_best(self, target: T) -> T:
+    def _restore_best(self, target: T, options: dict[str, Any]) -> T:
         for attempt in range(RESTORE_ATTEMPTS):
             best = self._best_entry("CheckpointManager.restore")
             if best is None:
@@ -670,14 +688,14 @@ class CheckpointManager:
                     f"usable '{self.best_metric}' metric."
                 )
             try:
-                return restore_entry(self._store, best, target)
+                return restore_entry(self._store, best, target, **options)
             except FileNotFoundError:
                 # The trainer's retention removed it (a better one arrived): rank again.
                 if attempt + 1 == RESTORE_ATTEMPTS:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _restore_latest_that_verifies(self, target: T) -> T:
+    def _restore_latest_that_verifies(self, target: T, options: dict[str, Any]) -> T:
         """The newest checkpoint that restores without a `CheckpointFormatError`, warning
         for each one skipped; the processes of a multi-process job decide together."""
         caller = "CheckpointManager.restore"
@@ -697,7 +715,7 @@ class CheckpointManager:
             entry = candidates[0]
             outcome, restored, failure = "ok", target, None
             try:
-                restored = restore_entry(self._store, entry, target)
+                restored = restore_entry(self._store, entry, target, **options)
             except _errors.CheckpointFormatError as error:
                 skipped[entry.path] = error
                 outcome = f"corrupt: {error}"

@@ -26,7 +26,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from .._tree import path_to_name
-from . import _directory, _names
+from . import _directory, _names, _selection
 from ._description import LeafKind, kind_of, rebuild
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
@@ -171,6 +171,8 @@ def restore(
     strict: bool,
     parallel: bool,
     verify: bool,
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
 ) -> T:
     """`restore_checkpoint` once its location is resolved: pick the checkpoint, open it,
     match it; again (up to 5 times) when a concurrent save replaced what was being read."""
@@ -183,7 +185,15 @@ def restore(
             return target
         try:
             with open_reader(store, entry) as reader:
-                return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
+                return _restore_one(
+                    reader,
+                    target,
+                    strict=strict,
+                    parallel=parallel,
+                    verify=verify,
+                    config=config,
+                    filter_spec=filter_spec,
+                )
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
@@ -201,11 +211,21 @@ def restore_entry(
     strict: bool = True,
     parallel: bool = True,
     verify: bool = True,
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
 ) -> T:
     """Restores the listed checkpoint `entry` into `target`. Raises `FileNotFoundError` if
     it is gone, or was replaced while being read: the caller lists again."""
     with open_reader(store, entry) as reader:
-        return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
+        return _restore_one(
+            reader,
+            target,
+            strict=strict,
+            parallel=parallel,
+            verify=verify,
+            config=config,
+            filter_spec=filter_spec,
+        )
 
 
 def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:
@@ -250,13 +270,14 @@ def _expected(kind: LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | No
     return tuple(data.shape), np.dtype(data.dtype)
 
 
-def _fail(path: str, problems: list[str], strict: bool, caller: str) -> None:
+def _fail(path: str, problems: list[str], strict: bool, caller: str, hint: str = "") -> None:
     listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
     listed += f"\n  ... and {more} more" if more > 0 else ""
     raise ValueError(
         f"{caller}: {path} does not match the target:\n  {listed}\n"
-        "Pass target=None to load the file as saved"
+        + (f"{hint}\n" if hint else "")
+        + "Pass target=None to load the file as saved"
         + (", or strict=False to restore only the leaves present in both." if strict else ".")
     )
 
@@ -269,6 +290,8 @@ def restore_from(
     parallel: bool,
     verify: bool,
     caller: str = "restore_checkpoint",
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
 ) -> Any:
     """The matcher: `target` filled from `reader` (or, for `target=None`, the tree as saved).
 
@@ -276,7 +299,9 @@ def restore_from(
     (shape, dtype, PRNG key implementation; with `strict`, nothing missing or extra), every
     problem listed in one `ValueError`, before any tensor data is read. Then only the
     tensors needed are read: whole, or device block by device block for a sharded target
-    (`_blockwise`). `caller` names the public function in errors.
+    (`_blockwise`). `caller` names the public function in errors. `filter_spec` leaves out
+    leaves (kept from the target); with `config="target"` the Python scalars of Equinox
+    modules are compared, not taken (`_selection`).
     """
     if target is None:
         if not reader.has_description:
@@ -294,7 +319,10 @@ def restore_from(
     saved_keys = _saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
     leaves = [leaf for _, leaf in pairs]
+    chosen = _selection.selected(target, filter_spec)
     slots: list[tuple[int, str, LeafKind]] = []
+    config_slots: list[tuple[int, str, LeafKind]] = []  # compared, not taken
+    shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
     problems: list[str] = []
     mismatched: list[str] = []
     used: set[str] = set()
@@ -303,14 +331,24 @@ def restore_from(
         if kind is None:
             continue  # not data: kept from the target
         name = path_to_name(key_path)
+        if not chosen[index]:
+            used.add(name)  # left out by filter_spec: kept from the target, never "extra"
+            continue
+        is_config = (
+            config == "target"
+            and kind.scalar_type is not None
+            and _selection.is_module_field(target, key_path)
+        )
         shape, dtype = _expected(kind, leaf)
         expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
         if name not in available:
-            if strict:
+            if strict and not is_config:
                 problems.append(f"'{name}': missing from the file, target expects {expectation}")
             continue
         used.add(name)
         file_shape, file_dtype = available[name]
+        if dtype is not None:
+            shared_arrays.append((file_shape, file_dtype, shape, dtype))
         numeric = file_dtype.kind in "biuf"
         if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
             mismatched.append(name)
@@ -327,7 +365,7 @@ def restore_from(
                 f"{jax.random.key_impl(leaf)}"
             )
             continue
-        slots.append((index, name, kind))
+        (config_slots if is_config else slots).append((index, name, kind))
     if strict:
         for name, (shape, dtype) in available.items():
             if name not in used:
@@ -338,9 +376,10 @@ def restore_from(
         # A file whose header was corrupted can look like a mismatch: its checksums say which.
         for name in mismatched:
             reader.read(name, verify=True)
-        _fail(reader.path, problems, strict, caller)
+        _fail(reader.path, problems, strict, caller, _selection.replicated_hint(shared_arrays))
 
     whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]
+    whole += [name for _, name, _ in config_slots]
     arrays = reader.read_many(whole, verify=verify, parallel=parallel)
     for index, name, kind in slots:
         leaf = leaves[index]
@@ -353,6 +392,11 @@ def restore_from(
             problems.append(f"'{name}': {error}")
     if problems:
         _fail(reader.path, problems, strict, caller)
+    differences = _selection.config_differences(
+        [(name, leaves[index], kind, arrays[name]) for index, name, kind in config_slots]
+    )
+    if differences:
+        _selection.warn_config(reader.path, differences, caller)
     return jtu.tree_unflatten(treedef, leaves)
 
 
