@@ -134,13 +134,15 @@ def _chunks(view: memoryview, size: int = _HASH_CHUNK) -> list[memoryview]:
 @dataclass(frozen=True)
 class Tensor:
     """One tensor to write: its name, a way to get its NumPy value, and the array it came
-    from (a `jax.Array` whose shards a multi-process save writes piece by piece)."""
+    from (a `jax.Array` whose shards a multi-process save writes piece by piece). `owned`:
+    the source is a snapshot copy made for this save, which the writer frees once written."""
 
     name: str
     get: Callable[[], np.ndarray]
     dtype: np.dtype
     shape: tuple[int, ...]
     source: Any = None
+    owned: bool = False
 
 
 def snapshot(tensor: Tensor) -> Tensor:
