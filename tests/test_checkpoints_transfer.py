@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eqx_train.checkpoints import _format, _transfer
 
@@ -172,9 +171,8 @@ def _consume(tensors, limit):
     """Reads every leaf through the pipeline; returns the bytes held at each leaf and
     checks each value against an independent expectation."""
     held = []
-    for i, (tensor, value) in enumerate(
-        zip(tensors, _transfer.host_arrays(tensors, _transfer.HostWindow(limit)), strict=True)
-    ):
+    pipeline = _transfer.host_arrays(tensors, _transfer.HostWindow(limit))
+    for i, (tensor, value) in enumerate(pipeline):
         assert tensor.name == f"l{i:02d}"
         assert value.shape == tensor.shape and np.all(value == i)
         held.append(_transfer.held_bytes())
@@ -186,6 +184,7 @@ def test_the_pipeline_holds_at_most_the_window_and_reads_ahead_within_it(device)
     tensors = _leaves([1] * 16, device)
     start = _transfer.held_bytes()
     held = _consume(tensors, 4 * MiB)
+    assert len(held) == len(tensors)
     assert max(held) - start == 4 * MiB  # four leaves at once: the window, not more
     assert _transfer.held_bytes() == start
 

@@ -10,15 +10,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ._transfer import WarnOnce
+
 _live_managers: weakref.WeakSet[AsyncManager] = weakref.WeakSet()
 
 
 class AsyncManager:
     """Runs checkpoint saves in a background thread, one at a time.
 
-    Pass it as `save_checkpoint(..., async_manager=manager)`: the call snapshots the state to
-    host memory and returns; the file is written, committed and old files pruned in the
-    background. A new save first waits for the previous one.
+    Pass it as `save_checkpoint(..., async_manager=manager)`: the call snapshots the state
+    (array leaves by a copy on their own devices, see `save_checkpoint`'s `snapshot`) and
+    returns; the leaves are moved to the host, written, committed and old files pruned in
+    the background. A new save first waits for the previous one.
 
     **Arguments:**
 
@@ -29,8 +32,8 @@ class AsyncManager:
     that nobody waited for, the error is printed to stderr rather than dropped silently.
 
     !!! note "Differences from flax"
-        The state is copied to host memory when `save_checkpoint` is called, so later
-        mutation or buffer donation cannot leak into the file.
+        The state is snapshotted when `save_checkpoint` is called, so later mutation or
+        buffer donation cannot leak into the file.
     """
 
     def __init__(self, max_workers: int = 1):
@@ -40,6 +43,8 @@ class AsyncManager:
         self._future: Future[Any] | None = None  # not yet waited for
         self._last: Future[Any] | None = None
         self._lock = threading.Lock()
+        # An async save whose device snapshot does not fit falls back to the host: said once.
+        self.warn_snapshot_fallback = WarnOnce()
         _live_managers.add(self)
 
     @property

@@ -3,8 +3,10 @@ save_checkpoint / restore_checkpoint / latest_checkpoint / available_steps."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
+from contextlib import closing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -19,8 +21,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from .._tree import path_to_name
-from . import _files, _format, _multiprocess, _names, _storage
+from . import _files, _format, _multiprocess, _names, _storage, _transfer
 from ._async import AsyncManager
+from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
@@ -37,6 +40,8 @@ def save_checkpoint(
     keep_every_n_steps: int | float | None = None,
     async_manager: AsyncManager | None = None,
     *,
+    snapshot: SnapshotMode = "auto",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """Saves `target` as `{ckpt_dir}/{prefix}{step}.safetensors` and prunes old checkpoints.
@@ -70,8 +75,19 @@ def save_checkpoint(
     - `keep_every_n_steps`: additionally keep older checkpoints, by flax's rule: walking the
       checkpoints older than the newest `keep` from the oldest, keep a step when it is at
       least this many steps past the last step kept this way (step 0 is never kept by it).
-    - `async_manager`: if given, snapshot `target` to host memory now and write in the
-      background; a later save waits for this one and raises its error.
+    - `async_manager`: if given, snapshot `target` now and write in the background; a later
+      save waits for this one and raises its error. The caller may donate or overwrite its
+      buffers as soon as this returns (see [Checkpointing on GPUs](../checkpointing_on_gpus.md)).
+    - `snapshot`: how an async save snapshots the array leaves. `"device"`: a copy on their
+      own devices (one jitted copy, same shardings; costs 1× their size in device memory
+      until each leaf is written); `"host"`: a copy in host memory, leaf by leaf, before
+      returning (blocks for the transfer; costs 1× the state in host memory); `"auto"`
+      (default): on the devices when the copy fits in their free memory, else on the host,
+      with a warning the first time. NumPy and scalar leaves are always copied on the host.
+      Ignored without `async_manager`.
+    - `host_window_bytes`: the most leaf bytes the save holds on the host at once (at least
+      one leaf); default 256 MiB. The next leaves' transfers run while earlier ones are
+      hashed and written.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
@@ -97,6 +113,8 @@ def save_checkpoint(
         retention=_files.flax_retention(keep, keep_every_n_steps, "save_checkpoint"),
         async_manager=async_manager,
         caller="save_checkpoint",
+        snapshot=snapshot,
+        host_window_bytes=host_window_bytes,
         storage_options=storage_options,
     )
 
@@ -114,6 +132,8 @@ def save_pipeline(
     extra_metadata: dict[str, str] | None = None,
     multiprocess: bool = False,
     timeout_s: int | float = 300.0,
+    snapshot: SnapshotMode = "auto",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
@@ -123,6 +143,7 @@ def save_pipeline(
     Validates everything before touching the disk, writes, commits, then (after the commit
     is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
+    _transfer.check_options(snapshot, host_window_bytes, caller)
     store, ckpt_dir = _storage.resolve(ckpt_dir, storage_options, caller=caller)
     if multiprocess and not store.is_local and timeout_s > _files.STALE_S / 2:
         # On an object store nobody can tell a live writer's uncommitted pieces from a dead
@@ -156,11 +177,15 @@ def save_pipeline(
             store, ckpt_dir, prefix, value, final_path, overwrite=overwrite, retention=retention
         )
 
+    if async_manager is not None:
+        # The caller may mutate or donate its buffers as soon as we return.
+        tensors = _transfer.snapshot(
+            tensors, snapshot, caller=caller, warn=async_manager.warn_snapshot_fallback
+        )
+
     if multiprocess:
         token = _multiprocess.agree_on_token(timeout_s, caller)
         pieces, where = _multiprocess.plan_pieces(tensors, jax.process_index())
-        if async_manager is not None:
-            pieces = [_format.snapshot(p) for p in pieces]
 
         def commit() -> None:
             if jax.process_index() == 0:
@@ -182,9 +207,6 @@ def save_pipeline(
             )
 
     else:
-        if async_manager is not None:
-            # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
-            tensors = [_format.snapshot(t) for t in tensors]
 
         def commit() -> None:
             _files.remove_leftovers(store, ckpt_dir, prefix)
@@ -202,10 +224,14 @@ def save_pipeline(
                 ) from None
             after_commit()
 
+    def commit_within_window() -> None:
+        with _transfer.host_window_bytes(host_window_bytes):
+            commit()
+
     if async_manager is not None:
-        async_manager.save_async(commit)
+        async_manager.save_async(commit_within_window)
     else:
-        commit()
+        commit_within_window()
     return final_path
 
 
@@ -220,6 +246,8 @@ def save_checkpoint_multiprocess(
     async_manager: AsyncManager | None = None,
     *,
     timeout_s: int | float = 300.0,
+    snapshot: SnapshotMode = "auto",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
@@ -259,6 +287,8 @@ def save_checkpoint_multiprocess(
         caller=caller,
         multiprocess=True,
         timeout_s=timeout_s,
+        snapshot=snapshot,
+        host_window_bytes=host_window_bytes,
         storage_options=storage_options,
     )
 
@@ -371,6 +401,7 @@ def restore_checkpoint(
     *,
     strict: bool = True,
     verify: bool = True,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
@@ -396,6 +427,10 @@ def restore_checkpoint(
       dtype must still match).
     - `verify`: check every tensor read against the checksum recorded when it was saved
       (default). Files written before checksums existed have nothing to check.
+    - `host_window_bytes`: the most leaf bytes held on the host at once while restoring
+      into a target (at least one leaf); default 256 MiB. The next leaves are read and
+      verified while earlier ones are placed on their devices, and each leaf's host bytes
+      are let go once it is there. (With `target=None` the result itself is on the host.)
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
@@ -414,6 +449,7 @@ def restore_checkpoint(
     expects); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
+    _transfer.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     named_gone: FileNotFoundError | None = None
     for attempt in range(_RESTORE_ATTEMPTS):
@@ -424,7 +460,14 @@ def restore_checkpoint(
             return target
         try:
             with open_reader(store, path) as reader:
-                return _restore_one(reader, target, strict=strict, parallel=parallel, verify=verify)
+                return _restore_one(
+                    reader,
+                    target,
+                    strict=strict,
+                    parallel=parallel,
+                    verify=verify,
+                    host_window_bytes=host_window_bytes,
+                )
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
@@ -495,6 +538,7 @@ def _restore_from(
     parallel: bool,
     verify: bool,
     caller: str = "restore_checkpoint",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
 ) -> Any:
     # `reader`: a `Reader`, or any reader with the same interface (path, bad, arrays, read,
     # read_many, has_description, description), such as interop's Hugging Face layout.
@@ -562,17 +606,33 @@ def _restore_from(
             reader.read(name, verify=True)
         _fail(reader.path, problems, strict, caller)
 
-    whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]
-    arrays = reader.read_many(whole, verify=verify, parallel=parallel)
-    for index, name, kind in slots:
-        leaf = leaves[index]
-        if name not in arrays:
-            leaves[index] = _read_blockwise(reader, name, leaf, verify)
-            continue
-        try:
-            leaves[index] = kind.fill(leaf, arrays[name])
-        except ValueError as error:
-            problems.append(f"'{name}': {error}")
+    whole = {
+        name: (index, kind)
+        for index, name, kind in slots
+        if not _blockwise(reader, leaves[index], kind)
+    }
+    shapes = reader.arrays()
+    reads = _transfer.windowed_reads(
+        list(whole),
+        lambda name: math.prod(shapes[name][0]) * shapes[name][1].itemsize,
+        lambda group: reader.read_many(group, verify=verify, parallel=parallel),
+        _transfer.HostWindow(host_window_bytes),
+    )
+    with closing(reads):
+        for name, array in reads:
+            index, kind = whole[name]
+            try:
+                leaves[index] = kind.fill(leaves[index], array)
+            except ValueError as error:
+                problems.append(f"'{name}': {error}")
+                continue
+            # On the device before its host bytes count as released (an accelerator copies
+            # them asynchronously; a CPU device adopts them).
+            if isinstance(leaves[index], jax.Array):
+                leaves[index].block_until_ready()
+    for index, name, _ in slots:
+        if name not in whole:
+            leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
     if problems:
         _fail(reader.path, problems, strict, caller)
     return jtu.tree_unflatten(treedef, leaves)

@@ -20,12 +20,15 @@ backend, process RSS also counts device memory and the allocator's caches).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
+import queue
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -101,6 +104,26 @@ def _count(delta: int) -> None:
     with _stats_lock:
         _held += delta
         _peak = max(_peak, _held)
+
+
+_window_limit: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "eqx_train_host_window_bytes", default=DEFAULT_HOST_WINDOW_BYTES
+)
+
+
+@contextlib.contextmanager
+def host_window_bytes(limit: int) -> Iterator[None]:
+    """Within this block (in this thread), the writer's window holds `limit` bytes: a save
+    sets it around its commit, so the writer keeps its three-argument call."""
+    token = _window_limit.set(limit)
+    try:
+        yield
+    finally:
+        _window_limit.reset(token)
+
+
+def current_window() -> HostWindow:
+    return HostWindow(_window_limit.get())
 
 
 class HostWindow:
@@ -191,8 +214,9 @@ def device_bytes_needed(arrays: Sequence[jax.Array]) -> dict[Any, int]:
     every device that holds it)."""
     need: dict[Any, int] = {}
     for array in arrays:
-        for shard in array.addressable_shards:
-            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+        nbytes = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+        for device in array.sharding.addressable_devices:
+            need[device] = need.get(device, 0) + nbytes
     return need
 
 
@@ -270,7 +294,8 @@ def snapshot(
     for tensor, source in zip(tensors, sources, strict=True):
         if source is not None and id(source) in copies:
             copy = copies[id(source)]
-            result.append(replace(tensor, get=lambda c=copy: np.asarray(c), source=copy, owned=True))
+            get = lambda c=copy: np.asarray(c)  # noqa: E731
+            result.append(replace(tensor, get=get, source=copy, owned=True))
         else:
             value = np.array(tensor.get(), copy=True)
             result.append(replace(tensor, get=lambda v=value: v, source=None, owned=False))
@@ -305,11 +330,11 @@ def _start_transfer(source: jax.Array) -> tuple[Any, bool]:
     pools and reuses from save to save, asynchronously: several transfers are in flight
     while the writer hashes and writes earlier leaves.
     """
-    if source.is_fully_replicated and len(source.sharding.device_set) > 1:
-        source = source.addressable_shards[0].data
     platform = next(iter(source.sharding.device_set)).platform
     if platform == "cpu":
         return source, False
+    if source.is_fully_replicated and len(source.sharding.device_set) > 1:
+        source = source.addressable_shards[0].data
     if platform not in _pinned_refused:
         try:
             return jax.device_put(source, source.sharding.with_memory_kind("pinned_host")), True
@@ -336,8 +361,9 @@ def _held_for(tensor: Tensor) -> int:
 
 def host_arrays(
     tensors: Sequence[Tensor], window: HostWindow, *, final: bool = True
-) -> Iterator[np.ndarray]:
-    """Each tensor's value as a host NumPy array, in order, holding at most `window`'s bytes.
+) -> Generator[tuple[Tensor, np.ndarray], None, None]:
+    """Each tensor with its value as a host NumPy array, in order, holding at most
+    `window`'s bytes.
 
     Before yielding a leaf, transfers of the following leaves are started while they fit in
     the window. A yielded array is valid until the next one is asked for; then its bytes
@@ -378,10 +404,85 @@ def host_arrays(
                         f"{tensor.dtype}{list(tensor.shape)} to {value.dtype}"
                         f"{list(value.shape)} while it was being saved."
                     )
-                yield value
+                yield tensor, value
             finally:
                 value = None
                 window.release(nbytes)
+                if final and tensor.owned and not tensor.source.is_deleted():
+                    # Read in place (a CPU device): a NumPy view the caller may still hold
+                    # keeps the bytes alive; the runtime frees them once it is dropped.
+                    tensor.source.delete()
     finally:
         for _, _, _, nbytes in started:
             window.release(nbytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Host -> device, a window at a time.
+
+
+def windowed_reads(
+    names: Sequence[str],
+    nbytes: Callable[[str], int],
+    read_many: Callable[[list[str]], dict[str, np.ndarray]],
+    window: HostWindow,
+) -> Generator[tuple[str, np.ndarray], None, None]:
+    """`(name, host array)` for every name, in order, read in groups of at most half the
+    window (at least one leaf each): a background thread reads (and verifies) the next
+    group while the caller places the current one on its devices. A group's bytes count as
+    released once the caller asks for the leaf after it, so the caller must be done with
+    (have placed) a group's arrays by then. Errors of the reads are raised here; closing the
+    generator early stops the reader thread.
+    """
+    groups: list[list[str]] = []
+    size = 0
+    for name in names:
+        if not groups or (size + nbytes(name) > window.limit // 2 and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes(name)
+    done = queue.SimpleQueue()  # (group, arrays, bytes), then None; or an exception
+    stop = threading.Event()
+
+    def read_ahead() -> None:
+        try:
+            for group in groups:
+                held = sum(nbytes(n) for n in group)
+                window.acquire(held)
+                if stop.is_set():
+                    window.release(held)
+                    return
+                try:
+                    arrays = read_many(group)
+                except BaseException:
+                    window.release(held)
+                    raise
+                done.put((group, arrays, held))
+            done.put(None)
+        except BaseException as error:  # handed to the caller's thread
+            done.put(error)
+
+    reader = threading.Thread(target=read_ahead, name="eqx_train-restore-read", daemon=True)
+    reader.start()
+    try:
+        while (item := done.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            group, arrays, held = item
+            try:
+                for name in group:
+                    yield name, arrays.pop(name)
+            finally:
+                arrays.clear()
+                window.release(held)
+    finally:
+        stop.set()
+        while reader.is_alive() or not done.empty():
+            try:
+                item = done.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(item, tuple):
+                window.release(item[2])  # read, never placed: the reader may wait for it
+        reader.join()
