@@ -280,26 +280,53 @@ def snapshot(
                 "transfer. Pass snapshot='host' to choose this and silence the warning."
             )
             mode = "host"
-    copies: dict[int, jax.Array] = {}
-    if mode != "host" and on_device:
-        # One jitted copy per set of devices: a computation runs on one device assignment.
-        groups: dict[Any, list[jax.Array]] = {}
-        for source in on_device:
-            key = tuple(sorted(d.id for d in source.sharding.device_set))
-            groups.setdefault(key, []).append(source)
-        for group in groups.values():
-            for source, copy in zip(group, _device_copy(group), strict=True):
-                copies[id(source)] = copy
+    copies = _copy_on_devices(on_device) if mode != "host" else {}
+    on_host = [t for t, s in zip(tensors, sources, strict=True) if s is None or id(s) not in copies]
+    values = {}
+    # Through the window: pinned staging a few leaves at a time, then pageable copies.
+    with contextlib.closing(host_arrays(on_host, current_window(), final=False)) as leaves:
+        for tensor, value in leaves:
+            values[tensor.name] = np.array(value, copy=True)
     result = []
     for tensor, source in zip(tensors, sources, strict=True):
-        if source is not None and id(source) in copies:
+        if tensor.name in values:
+            get = lambda v=values[tensor.name]: v  # noqa: E731
+            result.append(replace(tensor, get=get, source=None, owned=False))
+        else:
             copy = copies[id(source)]
             get = lambda c=copy: np.asarray(c)  # noqa: E731
             result.append(replace(tensor, get=get, source=copy, owned=True))
-        else:
-            value = np.array(tensor.get(), copy=True)
-            result.append(replace(tensor, get=lambda v=value: v, source=None, owned=False))
     return result
+
+
+def _copy_on_devices(arrays: Sequence[jax.Array]) -> dict[int, jax.Array]:
+    """`id(array) -> its device copy`. One jitted copy per set of devices (a computation
+    runs on one device assignment). An array spread over several processes is copied shard
+    by shard on this process's devices and reassembled: no computation spans processes, so
+    no process waits for another (they may decide differently between device and host)."""
+    parts: dict[int, list[jax.Array]] = {}
+    groups: dict[tuple[int, ...], list[jax.Array]] = {}
+    for array in arrays:
+        if array.is_fully_addressable:
+            parts[id(array)] = [array]
+        else:
+            parts[id(array)] = [shard.data for shard in array.addressable_shards]
+        for part in parts[id(array)]:
+            key = tuple(sorted(d.id for d in part.sharding.device_set))
+            groups.setdefault(key, []).append(part)
+    copied: dict[int, jax.Array] = {}
+    for group in groups.values():
+        for part, copy in zip(group, _device_copy(group), strict=True):
+            copied[id(part)] = copy
+    copies = {}
+    for array in arrays:
+        if array.is_fully_addressable:
+            copies[id(array)] = copied[id(array)]
+        else:
+            copies[id(array)] = jax.make_array_from_single_device_arrays(
+                array.shape, array.sharding, [copied[id(p)] for p in parts[id(array)]]
+            )
+    return copies
 
 
 class WarnOnce:
