@@ -10,8 +10,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ._transfer import WarnOnce
-
 _live_managers: weakref.WeakSet[AsyncManager] = weakref.WeakSet()
 
 
@@ -43,8 +41,6 @@ class AsyncManager:
         self._future: Future[Any] | None = None  # not yet waited for
         self._last: Future[Any] | None = None
         self._lock = threading.Lock()
-        # An async save whose device snapshot does not fit falls back to the host: said once.
-        self.warn_snapshot_fallback = WarnOnce()
         _live_managers.add(self)
 
     @property

@@ -180,7 +180,7 @@ def save_pipeline(
     if async_manager is not None:
         # The caller may mutate or donate its buffers as soon as we return.
         tensors = _transfer.snapshot(
-            tensors, snapshot, caller=caller, warn=async_manager.warn_snapshot_fallback
+            tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
         )
 
     if multiprocess:

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import replace
@@ -330,7 +331,7 @@ def _copy_on_devices(arrays: Sequence[jax.Array]) -> dict[int, jax.Array]:
 
 
 class WarnOnce:
-    """A `warn` for `snapshot` that warns the first time only (one per async manager)."""
+    """A `warn` for `snapshot` that warns the first time only."""
 
     def __init__(self) -> None:
         self.warned = False
@@ -339,6 +340,14 @@ class WarnOnce:
         if not self.warned:
             self.warned = True
             warnings.warn(message, UserWarning, stacklevel=4)
+
+
+_warners: weakref.WeakKeyDictionary[Any, WarnOnce] = weakref.WeakKeyDictionary()
+
+
+def warn_once_per(owner: Any) -> WarnOnce:
+    """The `warn` for the snapshots of `owner` (an async manager): it says so once."""
+    return _warners.setdefault(owner, WarnOnce())
 
 
 # --------------------------------------------------------------------------------------------
