@@ -19,13 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoints import _files, _format, _multiprocess, _names, _storage
-from .interop import _hf
+from .checkpoints import engine
+from .checkpoints.engine import CheckpointFormatError, FileReader, IndexReader, short
 
-_LOCAL = _storage.LocalStorage()
-
-_METRICS_KEY = "eqx_train.metrics"
-_USER_METADATA_KEY = "eqx_train.user_metadata"
+_LOCAL = engine.LocalStorage()
 
 
 class CommandError(Exception):
@@ -50,23 +47,22 @@ def _spec(shape: Sequence[int], dtype: np.dtype) -> str:
 def _open(path: str, prefix: str) -> tuple[str, Any]:
     """(what the path is, its reader) for a file, a `.shards` checkpoint or a Hugging Face
     directory; ("directory", listing) for a directory of checkpoints."""
-    if not os.path.lexists(path):
+    found = engine.locate(_LOCAL, path, hf=True) if os.path.lexists(path) else None
+    if found is None:
         raise CommandError(f"{path}: no such file or directory")
-    if not os.path.isdir(path):
-        return "single file", _format.FileReader(path)
-    if _multiprocess.is_sharded_checkpoint(_LOCAL, path):
-        return ".shards checkpoint", _multiprocess.ShardedReader(_LOCAL, path)
-    if _hf.is_layout(path):
-        reader = _hf.open_layout(path)
-        kind = "Hugging Face layout, " + (
-            "1 file" if isinstance(reader, _format.FileReader) else f"{len(reader.files())} shards"
-        )
-        return kind, reader
-    listing = _files.list_checkpoints(_LOCAL, path, prefix)
+    if found.layout != "directory":
+        reader = engine.open_reader(_LOCAL, found)
+        if found.layout == "file":
+            return "single file", reader
+        if found.layout == "shards":
+            return ".shards checkpoint", reader
+        count = "1 file" if isinstance(reader, FileReader) else f"{len(reader.files())} shards"
+        return f"Hugging Face layout, {count}", reader
+    listing = engine.list_checkpoints(_LOCAL, path, prefix)
     if not listing:
         raise CommandError(
             f"{path}: a directory with no checkpoint in it (no {prefix}<step>.safetensors, "
-            f"{prefix}<step>.shards, {_hf.SINGLE_NAME} or {_hf.INDEX_NAME})"
+            f"{prefix}<step>.shards, {engine.HF_SINGLE_NAME} or {engine.HF_INDEX_NAME})"
         )
     return "directory", listing
 
@@ -77,16 +73,6 @@ def _open_one(path: str, prefix: str) -> tuple[str, Any]:
     if kind == "directory":
         return _open(reader[-1].path, prefix)
     return kind, reader
-
-
-def _piece_files(reader: Any) -> list[tuple[str, Any]]:
-    """(file path, FileReader) of every file whose tensors a reader's data lives in."""
-    if isinstance(reader, _format.FileReader):
-        return [(reader.path, reader)]
-    if isinstance(reader, _hf.IndexReader):
-        return [(os.path.join(reader.path, f), r) for f, r in reader.files().items()]
-    files = sorted({p["file"] for e in reader._arrays.values() for p in e["pieces"]})
-    return [(os.path.join(reader.path, f), reader._file(f)) for f in files]
 
 
 # ------------------------------------------------------------------------------ inspect
@@ -111,15 +97,15 @@ def _tree_lines(arrays: dict[str, tuple[tuple[int, ...], np.dtype]]) -> list[str
 
 def _metadata_lines(metadata: dict[str, str]) -> list[str]:
     lines = []
-    step = metadata.get(_format.STEP_KEY)
+    step = metadata.get(engine.STEP_KEY)
     if step is not None:
         lines.append(f"step: {step}")
-    for key, label in ((_METRICS_KEY, "metrics"), (_USER_METADATA_KEY, "metadata")):
+    for key, label in ((engine.METRICS_KEY, "metrics"), (engine.USER_METADATA_KEY, "metadata")):
         if key in metadata:
             lines.append(f"{label}: {metadata[key]}")
-    foreign = {k: v for k, v in metadata.items() if not k.startswith("eqx_train.")}
+    foreign = {k: v for k, v in metadata.items() if not k.startswith(engine.OUR_KEY_PREFIX)}
     for key, value in foreign.items():
-        lines.append(f"metadata {key}: {_format.short(value, 200)}")
+        lines.append(f"metadata {key}: {short(value, 200)}")
     return lines
 
 
@@ -137,10 +123,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{args.path}: {kind}, {len(arrays)} tensors, {_size(total)}")
         for line in _metadata_lines(reader.metadata):
             print(line)
-        if isinstance(reader, _hf.IndexReader):
-            for file, shard in reader.files().items():
+        if isinstance(reader, IndexReader):
+            for path, shard in reader.files().items():
                 size = sum(info.nbytes for info in shard.tensors.values())
-                print(f"file {file}: {len(shard.tensors)} tensors, {_size(size)}")
+                print(f"file {os.path.basename(path)}: {len(shard.tensors)} tensors, {_size(size)}")
         print("tensors:")
         for line in _tree_lines(arrays):
             print(line)
@@ -150,16 +136,16 @@ def _inspect(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ verify
 
 
-def _verify_reader(reader: Any) -> Iterator[str]:
+def _verify_reader(reader: engine.Reader) -> Iterator[str]:
     """One line per problem; nothing when every tensor matches its checksum."""
     unchecked = []
-    for path, file in _piece_files(reader):
+    for path, file in reader.files().items():
         if file.tensors and not any(info.checksum for info in file.tensors.values()):
             unchecked.append(path)
         for name in file.tensors:
             try:
                 file.read(name, verify=True)
-            except _format.CheckpointFormatError as error:
+            except CheckpointFormatError as error:
                 yield str(error)
     for path in unchecked:
         print(f"{path}: no checksums recorded (not written by eqx_train); structure checked only")
@@ -254,12 +240,12 @@ def _flax_steps(src: str, prefix: str) -> list[tuple[str, int | float]]:
         raise CommandError(f"{src}: no such file or directory")
     if not os.path.isdir(src):
         match = pattern.fullmatch(os.path.basename(src))
-        return [(src, _names.step_from_text(match[1]) if match else 0)]
+        return [(src, engine.step_from_text(match[1]) if match else 0)]
     found = []
     for entry in os.listdir(src):
         match = pattern.fullmatch(entry)
         if match and os.path.isfile(os.path.join(src, entry)):
-            found.append((os.path.join(src, entry), _names.step_from_text(match[1])))
+            found.append((os.path.join(src, entry), engine.step_from_text(match[1])))
     if not found:
         raise CommandError(f"{src}: no flax checkpoint ({prefix}<step> file) in this directory")
     found.sort(key=lambda item: item[1])
@@ -279,7 +265,7 @@ def _convert_flax(args: argparse.Namespace) -> int:
             tree = load_flax_checkpoint(path)
             # Retention off: converting must never delete what DST already holds.
             written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=2**62)
-        except (_format.CheckpointFormatError, CommandError):
+        except (CheckpointFormatError, CommandError):
             raise
         except (OSError, ValueError, TypeError) as error:
             raise CommandError(f"{path}: {_one_line(error)}") from error

@@ -38,7 +38,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _format
+from eqx_train.checkpoints import _description, _format
 from property_tests.strategies import RandomModule, keys, pytrees
 from tests.helpers import assert_trees_equal
 
@@ -69,7 +69,7 @@ DTYPES = tuple(
         jnp.float8_e5m2,
     )
 )
-DTYPE_CODES = sorted(_format.CODE_TO_DTYPE)
+DTYPE_CODES = sorted(_description.CODE_TO_DTYPE)
 
 
 # ------------------------------------------------------------------------------ strategies

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager, _checkpoints, _format
+from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager, _format, _restore
 from tests.helpers import assert_trees_equal
 
 # ---------------------------------------------------------------- helpers
@@ -566,7 +566,7 @@ def test_an_unreadable_checkpoint_never_blocks_the_manager(tmp_path):
 
 def test_restore_racing_a_keep_1_save_retries_on_the_newer_checkpoint(tmp_path, monkeypatch):
     checkpoints.save_checkpoint(tmp_path, {"v": np.asarray(1)}, 1, keep=1)
-    resolve = _checkpoints._resolve
+    resolve = _restore._resolve
     calls = []
 
     def resolve_then_save(*args):
@@ -576,7 +576,7 @@ def test_restore_racing_a_keep_1_save_retries_on_the_newer_checkpoint(tmp_path, 
         calls.append(found)
         return found
 
-    monkeypatch.setattr(_checkpoints, "_resolve", resolve_then_save)
+    monkeypatch.setattr(_restore, "_resolve", resolve_then_save)
     assert checkpoints.restore_checkpoint(tmp_path, None)["v"] == 2
     assert len(calls) == 2
 
@@ -680,7 +680,7 @@ def test_float8_round_trips_bit_exactly(tmp_path, dtype):
 
 def test_the_package_never_imports_safetensors():
     code = (
-        "import sys, eqx_train, eqx_train.checkpoints, eqx_train.checkpoints._checkpoints\n"
+        "import sys, eqx_train, eqx_train.checkpoints, eqx_train.checkpoints._api\n"
         "assert 'safetensors' not in sys.modules, 'safetensors imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "XLA_FLAGS": ""})
@@ -730,11 +730,11 @@ def test_two_interleaved_overwrites_of_a_shards_step_leave_one_readable_version(
 
 
 def test_restore_racing_a_shards_overwrite_returns_one_version(tmp_path, monkeypatch):
-    from eqx_train.checkpoints import _multiprocess
+    from eqx_train.checkpoints import _shards
 
     save = checkpoints.save_checkpoint_multiprocess
     save(tmp_path, {"w": np.full(2, 1.0)}, 1)
-    open_piece = _multiprocess.ShardedReader._file
+    open_piece = _shards.ShardedReader._file
     raced = []
 
     def overwrite_before_the_pieces_are_opened(self, name):
@@ -743,9 +743,7 @@ def test_restore_racing_a_shards_overwrite_returns_one_version(tmp_path, monkeyp
             save(tmp_path, {"w": np.full(2, 9.0)}, 1, overwrite=True)
         return open_piece(self, name)
 
-    monkeypatch.setattr(
-        _multiprocess.ShardedReader, "_file", overwrite_before_the_pieces_are_opened
-    )
+    monkeypatch.setattr(_shards.ShardedReader, "_file", overwrite_before_the_pieces_are_opened)
     assert checkpoints.restore_checkpoint(tmp_path, None)["w"].tolist() == [9.0, 9.0]
     assert raced
 
@@ -753,7 +751,7 @@ def test_restore_racing_a_shards_overwrite_returns_one_version(tmp_path, monkeyp
 def test_restore_racing_retention_of_a_shards_step_retries_on_the_newer(tmp_path, monkeypatch):
     save = checkpoints.save_checkpoint_multiprocess
     save(tmp_path, {"v": np.asarray(1)}, 1)
-    resolve = _checkpoints._resolve
+    resolve = _restore._resolve
     calls = []
 
     def resolve_then_save(*args):
@@ -763,7 +761,7 @@ def test_restore_racing_retention_of_a_shards_step_retries_on_the_newer(tmp_path
         calls.append(found)
         return found
 
-    monkeypatch.setattr(_checkpoints, "_resolve", resolve_then_save)
+    monkeypatch.setattr(_restore, "_resolve", resolve_then_save)
     assert checkpoints.restore_checkpoint(tmp_path, None)["v"] == 2
 
 

@@ -348,7 +348,7 @@ def test_leftovers_of_writers_on_other_hosts_go_only_after_the_stale_limit(monke
     another machine may be a live save's, and is removed only once older than `STALE_S`."""
     import types
 
-    from eqx_train.checkpoints import _files
+    from eqx_train.checkpoints import _directory
 
     url = "memory://eqx-test-stale/run"
     fs = fsspec.filesystem("memory")
@@ -363,8 +363,8 @@ def test_leftovers_of_writers_on_other_hosts_go_only_after_the_stale_limit(monke
         fs.pipe_file(key.split("://")[1], b"")
     checkpoints.save_checkpoint(url, {"x": np.zeros(2)}, 1)
     assert fs.exists(piece.split("://")[1]) and fs.exists(marker.split("://")[1])
-    later = time.time() + 2 * _files.STALE_S
-    monkeypatch.setattr(_files, "time", types.SimpleNamespace(time=lambda: later))
+    later = time.time() + 2 * _directory.STALE_S
+    monkeypatch.setattr(_directory, "time", types.SimpleNamespace(time=lambda: later))
     checkpoints.save_checkpoint(url, {"x": np.zeros(2)}, 2)
     assert not fs.exists(piece.split("://")[1]) and not fs.exists(marker.split("://")[1])
     assert checkpoints.available_steps(url) == [2]

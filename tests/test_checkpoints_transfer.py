@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eqx_train.checkpoints import _format, _transfer
+from eqx_train.checkpoints import _description, _transfer
 
 MiB = 1 << 20
 
@@ -39,7 +39,7 @@ def _state():
 
 
 def _tensors(tree):
-    return _format.describe(tree, caller="test")[1]
+    return _description.describe(tree, caller="test")[1]
 
 
 def _buffers(array):
@@ -219,7 +219,7 @@ def test_the_final_pass_over_a_snapshot_frees_nothing_the_caller_owns():
 
 def test_a_leaf_that_changed_while_being_saved_is_refused_naming_it():
     tensors = _tensors({"w": np.zeros(4)})
-    changed = [_format.Tensor("w", lambda: np.zeros(5), tensors[0].dtype, tensors[0].shape)]
+    changed = [_description.Tensor("w", lambda: np.zeros(5), tensors[0].dtype, tensors[0].shape)]
     with pytest.raises(RuntimeError, match=r"leaf 'w' changed from float64\[4\] to float64\[5\]"):
         list(_transfer.host_arrays(changed, _transfer.HostWindow(MiB)))
 

@@ -15,7 +15,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _checkpoints, _files, _names, _storage
+from eqx_train.checkpoints import _directory, _names, _restore, _storage
 
 
 class FakeUpload:
@@ -140,12 +140,12 @@ def test_cleanup_sees_a_writer_that_starts_between_its_two_listings(fake):
         fs.listed_uploads.append(_upload(name, "live"))
 
     fs.on_list_uploads = live_writer_starts
-    _files.remove_leftovers(store, "s3://b/run", "checkpoint_")
+    _directory.remove_leftovers(store, "s3://b/run", "checkpoint_")
     assert [u["UploadId"] for u in fs.listed_uploads] == ["killed", "live"]  # both kept
     fs.on_list_uploads = lambda: None
     # Once the live writer is gone too, the next cleanup aborts both and drops the markers.
     fs.mem.rm_file(_marker(name, _names.host_id(), _live_pid()))
-    _files.remove_leftovers(store, "s3://b/run", "checkpoint_")
+    _directory.remove_leftovers(store, "s3://b/run", "checkpoint_")
     assert fs.listed_uploads == [] and fs.mem.find("/b/run") == []
 
 
@@ -155,9 +155,9 @@ def test_a_live_writer_on_this_host_is_never_stale_however_long_it_uploads(fake,
     fs.mem.pipe_file(_marker(here, _names.host_id(), _live_pid()), b"")
     fs.mem.pipe_file(_marker(elsewhere, "ffffffff", 12345), b"")
     fs.listed_uploads = [_upload(here, "here"), _upload(elsewhere, "elsewhere")]
-    later = time.time() + _files.STALE_S + 60  # both have been uploading for 61 minutes
-    monkeypatch.setattr(_files, "time", types.SimpleNamespace(time=lambda: later))
-    _files.remove_leftovers(store, "s3://b/run", "checkpoint_")
+    later = time.time() + _directory.STALE_S + 60  # both have been uploading for 61 minutes
+    monkeypatch.setattr(_directory, "time", types.SimpleNamespace(time=lambda: later))
+    _directory.remove_leftovers(store, "s3://b/run", "checkpoint_")
     assert [u["UploadId"] for u in fs.listed_uploads] == ["here"]
     assert fs.mem.find("/b/run") == [_marker(here, _names.host_id(), _live_pid())]
 
@@ -263,14 +263,14 @@ def test_a_listed_local_checkpoint_removed_before_it_is_opened_is_as_if_never_th
     """Unchanged local behaviour: retention elsewhere removed the only checkpoint after it
     was listed, so the directory holds none and the target comes back."""
     path = checkpoints.save_checkpoint(tmp_path, {"x": np.ones(2)}, 1)
-    real = _checkpoints.open_reader
+    real = _restore.open_reader
 
     def removed_first(store, where):
-        if os.path.exists(where):
-            os.remove(where)
+        if os.path.exists(where.path):
+            os.remove(where.path)
         return real(store, where)
 
-    monkeypatch.setattr(_checkpoints, "open_reader", removed_first)
+    monkeypatch.setattr(_restore, "open_reader", removed_first)
     target = {"x": np.zeros(2)}
     assert checkpoints.restore_checkpoint(tmp_path, target) is target
     checkpoints.save_checkpoint(tmp_path, {"x": np.ones(2)}, 1)

@@ -6,15 +6,15 @@ from typing import TYPE_CHECKING
 from .._lazy import exports
 
 if TYPE_CHECKING:
-    from ._async import AsyncManager as AsyncManager
-    from ._checkpoints import (
+    from ._api import (
         available_steps as available_steps,
         latest_checkpoint as latest_checkpoint,
         restore_checkpoint as restore_checkpoint,
         save_checkpoint as save_checkpoint,
         save_checkpoint_multiprocess as save_checkpoint_multiprocess,
     )
-    from ._format import CheckpointFormatError as CheckpointFormatError
+    from ._async import AsyncManager as AsyncManager
+    from ._errors import CheckpointFormatError as CheckpointFormatError
     from ._legacy import convert_pre_linen as convert_pre_linen
     from ._manager import (
         CheckpointManager as CheckpointManager,
@@ -28,15 +28,15 @@ __getattr__, __dir__ = exports(
     {
         "AsyncManager": "_async",
         "BarrierTimeoutError": "_multiprocess",
-        "CheckpointFormatError": "_format",
+        "CheckpointFormatError": "_errors",
         "CheckpointManager": "_manager",
         "UnreadableCheckpointWarning": "_manager",
-        "available_steps": "_checkpoints",
+        "available_steps": "_api",
         "convert_pre_linen": "_legacy",
-        "latest_checkpoint": "_checkpoints",
-        "restore_checkpoint": "_checkpoints",
-        "save_checkpoint": "_checkpoints",
-        "save_checkpoint_multiprocess": "_checkpoints",
+        "latest_checkpoint": "_api",
+        "restore_checkpoint": "_api",
+        "save_checkpoint": "_api",
+        "save_checkpoint_multiprocess": "_api",
     },
 )
 

@@ -18,14 +18,14 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _files, _names, _storage, _transfer
+from . import _coordination, _directory, _names, _storage, _transfer
+from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
-from ._checkpoints import open_reader, restore_checkpoint, save_pipeline
+from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
+from ._restore import Location, open_reader
 from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
 
 T = TypeVar("T")
-_METRICS_KEY = "eqx_train.metrics"
-_USER_METADATA_KEY = "eqx_train.user_metadata"
 
 # The clock of the time-based save policy; a module attribute so that tests can swap in a
 # fake one. Monotonic, so that a wall-clock jump (NTP, a VM resumed) never forces or skips
@@ -49,7 +49,7 @@ class UnreadableCheckpointWarning(UserWarning):
 
 def _metadata_of(store: _storage.Storage, path: str) -> dict[str, str]:
     """A checkpoint's metadata (a file's, or a `.shards` index's); reads no tensor data."""
-    with open_reader(store, path) as reader:
+    with open_reader(store, Location.listed(path)) as reader:
         return reader.metadata
 
 
@@ -178,7 +178,7 @@ class CheckpointManager:
             )
         if mode not in ("min", "max"):
             raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
-        _files.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
+        _directory.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
         if not prefix:
             raise ValueError("CheckpointManager: prefix must be a non-empty file name prefix.")
         _names.check_prefix(prefix, "CheckpointManager")
@@ -226,7 +226,7 @@ class CheckpointManager:
         self.host_window_bytes = host_window_bytes
         self._async = AsyncManager() if async_save else None
         self._store.makedirs(self.directory)
-        _files.remove_leftovers(self._store, self.directory, self.prefix)
+        _directory.remove_leftovers(self._store, self.directory, self.prefix)
         # The save policy's state. Only process 0's copy decides (`_coordination.decide`).
         self._last_save_began = _clock()
         self._latest_saved: Decimal | None = None  # read from the directory on first use
@@ -500,11 +500,11 @@ class CheckpointManager:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         self._sigterm_handler = None
 
-    def _listing(self) -> list[_files.Entry]:
-        return _files.list_checkpoints(self._store, self.directory, self.prefix)
+    def _listing(self) -> list[_directory.Entry]:
+        return _directory.list_checkpoints(self._store, self.directory, self.prefix)
 
     def _path(self, step: _names.Step) -> str:
-        found = _files.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
+        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
         if found is not None:
             return found.path
         raise ValueError(
@@ -550,7 +550,7 @@ class CheckpointManager:
         kept_by_flax_rule = set(
             text for _, text in steps[: max(len(steps) - self.keep_latest, 0)]
         ) - set(
-            _files.steps_to_delete(
+            _directory.steps_to_delete(
                 steps, keep=self.keep_latest, keep_every_n_steps=self.keep_every_n_steps
             )
         )

@@ -1,17 +1,25 @@
 """Every name the checkpoint code puts on disk, and how to read one back.
 
-One module builds them all, so that the writer, listing, retention and cleanup can never
-disagree about what a name means:
+One module names them all, so that the writer, the readers, listing, retention and cleanup
+can never disagree about what a name means. File names:
 
 - `{prefix}{step}.safetensors`: a single-file checkpoint.
 - `{prefix}{step}.shards/`: a multi-process checkpoint, committed when its `index.safetensors`
-  exists; its piece files are `process_{i:05d}.{token}.safetensors`.
-- `.{final}.tmp-{writer}-{random}`: a file being written; renamed over `final` when done.
-- `.done-{i:05d}.{token}` inside a `.shards` directory: process `i` has written its pieces.
+  exists; its piece files are `process_{i:05d}.{token}.safetensors`, and the tensors in them
+  `{leaf}#{process}.{k}`.
+- `.{final}.tmp-{writer}-{random}`: a file being written; renamed over `final` when done (on
+  an object store: the empty marker naming the writer of a multipart upload).
+- `.done-{i:05d}.{token}` inside a `.shards` directory: written by versions before the
+  coordination service replaced them; cleanup still recognises (and removes) them.
+- `model.safetensors`, or `model-{i:05d}-of-{n:05d}.safetensors` and
+  `model.safetensors.index.json`: the Hugging Face layout (`eqx_train.interop.save_sharded`).
 
 `{step}` is the canonical spelling of the step (`canonical_step`): one number, one name.
 `{writer}` is `{host}-{pid}` of the process that may clean the name up if it dies, and
 `{token}` of a multi-process save starts with process 0's `{writer}`.
+
+Names inside a file: the safetensors header's `__metadata__` keys and format markers
+(`*_KEY`, `FORMAT_*`, `HF_*` below); see docs/checkpoint_format.md.
 """
 
 from __future__ import annotations
@@ -31,6 +39,44 @@ SHARDED_SUFFIX = ".shards"
 INDEX_NAME = "index.safetensors"
 TEMP_MARK = ".tmp-"
 MAX_NAME_BYTES = 200  # file systems allow 255; leave room for the temporary-name decoration
+
+# ------------------------------------------------------------------ inside a file's header
+
+METADATA_KEY = "__metadata__"  # the safetensors header entry that holds string metadata
+RESERVED_TENSOR_NAMES = frozenset({METADATA_KEY})
+FORMAT_KEY = "eqx_train.format"
+FORMAT_VERSION_KEY = "eqx_train.format_version"
+FORMAT_NAME = "eqx_train.checkpoint"  # FORMAT_KEY of a checkpoint file or `.shards` index
+FORMAT_VERSION = 1
+STEP_KEY = "eqx_train.step"
+TREE_KEY = "eqx_train.tree"
+CHECKSUMS_KEY = "eqx_train.checksums"
+CHECKSUM_ALGORITHM = "xxh3_64"
+ARRAYS_KEY = "eqx_train.arrays"  # a .shards index: every array's shape, dtype and pieces
+PIECES_KEY = "eqx_train.pieces"  # a piece file: each of its tensors' leaf and slice
+METRICS_KEY = "eqx_train.metrics"  # CheckpointManager.save(metrics=...)
+USER_METADATA_KEY = "eqx_train.user_metadata"  # CheckpointManager.save(metadata=...)
+OUR_KEY_PREFIX = "eqx_train."  # every key above but METADATA_KEY; others are foreign
+
+# The Hugging Face layout.
+HF_SINGLE_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
+HF_SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+HF_FORMAT_KEY = "format"  # transformers requires "pt" in every file's metadata
+HF_FORMAT_PT = "pt"
+HF_INDEX_FORMAT = "eqx_train.hf_sharded"  # FORMAT_KEY of a Hugging Face index of ours
+HF_SAVE_KEY = "eqx_train.save"  # the save token every shard of one save repeats
+HF_TREE_CHECKSUM_KEY = "eqx_train.tree_checksum"
+
+
+def hf_shard_names(count: int) -> list[str]:
+    """The file names of a Hugging Face save in `count` shards."""
+    if count == 1:
+        return [HF_SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+# ------------------------------------------------------------------------ checkpoint files
 
 # Canonical steps are plain decimals, or Python's shortest float spelling for tiny non-integral
 # floats ("1e-05"); earlier versions also wrote str(float) spellings such as "1.0" and "1e+16".
@@ -178,6 +224,11 @@ def token_writer(token: str) -> tuple[str, int]:
 
 def piece_file(process: int, token: str) -> str:
     return f"process_{process:05d}.{token}{SUFFIX}"
+
+
+def piece_tensor(leaf: str, process: int, k: int) -> str:
+    """The name, in its piece file, of the `k`-th piece of `leaf` that `process` writes."""
+    return f"{leaf}#{process}.{k}"
 
 
 def parse_piece_file(name: str) -> tuple[int, str] | None:

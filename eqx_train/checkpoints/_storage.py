@@ -16,25 +16,43 @@ byte source that stays one version of the file.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import errno
+import math
 import os
 import re
+import secrets
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from . import _names
+from ._errors import invalid
 
 # The fsspec protocols eqx_train knows, and the extra that installs each one's client.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _PART_BYTES = 64 << 20  # multipart upload part size
 _READ_BYTES = 16 << 20  # bytes per ranged request; requests run in parallel
 _MERGE_GAP = 64 << 10  # neighbouring ranges closer than this are fetched by one request
-_MAX_REQUESTS = 16
+# How long one save may spend on object-store requests, unless `storage_options` says
+# otherwise ("deadline_s"); every request is also bounded on its own (`_CLIENT_DEFAULTS`).
+DEFAULT_DEADLINE_S = 1800.0
+# botocore settings (s3fs's `config_kwargs`) unless the caller sets them: a store that stops
+# answering fails a request in seconds rather than after botocore's and s3fs's nested
+# retries (25 attempts of 15 s each by default).
+_CLIENT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 60,
+    "retries": {"max_attempts": 3, "mode": "standard"},
+}
+# The user-metadata key under which every upload carries a random token (S3 lower-cases
+# it): the upload's own signature, to recognise an object as ours when the store's answer
+# was lost and the client's retry was refused.
+_UPLOAD_TOKEN = "eqx-train-upload"
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,8 @@ class Storage(Protocol):
 
     def makedirs(self, path: str) -> None: ...
 
+    def start_deadline(self) -> None: ...
+
     def atomic_write(self, path: str, write: Writer, *, replace: bool = True) -> None: ...
 
     def open(self, path: str) -> Source: ...
@@ -115,7 +135,7 @@ class Storage(Protocol):
 # ------------------------------------------------------------------------------------- local
 
 
-class _LocalSource:
+class LocalSource:
     """A local file through one file descriptor: a rename over it meanwhile cannot mix two
     versions. Opened without blocking, and refused unless it is a regular file (a FIFO under
     a checkpoint name must not hang a restore)."""
@@ -201,6 +221,9 @@ class LocalStorage:
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
+    def start_deadline(self) -> None:
+        """Local writes have no deadline: a disk that stops answering is the kernel's."""
+
     def atomic_write(self, path: str, write: Writer, *, replace: bool = True) -> None:
         """Runs `write(fd)` on a temporary file, fsyncs it, moves it to `path`, fsyncs the
         directory. On any error the temporary file is removed and the previous files are
@@ -225,12 +248,7 @@ class LocalStorage:
         fsync_dir(directory or ".")
 
     def open(self, path: str) -> Source:
-        from ._format import CheckpointFormatError
-
-        def bad(why: str) -> Exception:
-            return CheckpointFormatError(f"{path} is not a valid checkpoint: {why}.")
-
-        return _LocalSource(path, bad)
+        return LocalSource(path, invalid(path))
 
     def identity(self, path: str) -> Any:
         try:
@@ -250,7 +268,7 @@ class LocalStorage:
             os.rmdir(path)
 
     def unfinished_uploads(self, directory: str) -> list[Upload]:
-        """Local writes leave temporary files instead; `_files.remove_leftovers` handles them."""
+        """Local writes leave temporary files instead (`_directory.remove_leftovers`)."""
         return []
 
     def abort_upload(self, directory: str, upload: Upload) -> None:
@@ -324,11 +342,15 @@ class _ObjectSource:
                 spans.append((offset, end, [(offset, view)]))
         if not spans:
             return
-        fs = self._store.fs
-        path = self._store.strip(self.path)
+        store = self._store
+        path = store.strip(self.path)
         with client_errors(self.path):
-            results = fs.cat_ranges(
-                [path] * len(spans), [s for s, _, _ in spans], [e for _, e, _ in spans]
+            results = store.call(
+                self.path,
+                store.fs.cat_ranges,
+                [path] * len(spans),
+                [s for s, _, _ in spans],
+                [e for _, e, _ in spans],
             )
             for data in results:
                 if isinstance(data, BaseException):
@@ -361,14 +383,72 @@ class ObjectReplacedError(FileNotFoundError):
 
 
 class ObjectStorage:
-    """A bucket (or fsspec memory store) addressed by URLs `protocol://bucket/key`."""
+    """A bucket (or fsspec memory store) addressed by URLs `protocol://bucket/key`.
+
+    Every request has a deadline: the client's own per-request timeouts and retries, and
+    `deadline_s` for all the requests of one save (from `start_deadline()`), or for each
+    request on its own outside a save. A request still unanswered then is cancelled, and
+    raises `TimeoutError` naming the URL."""
 
     is_local = False
 
-    def __init__(self, protocol: str, fs: Any):
+    def __init__(self, protocol: str, fs: Any, *, deadline_s: float = DEFAULT_DEADLINE_S):
         self.protocol = protocol
         self.fs = fs
+        self.deadline_s = deadline_s
+        self._ends: float | None = None  # time.monotonic() when this save's budget runs out
         self._conditional = True  # until the store answers that it has no conditional writes
+
+    def start_deadline(self) -> None:
+        """Starts the budget of one save: from now on, all requests together have
+        `deadline_s` seconds."""
+        self._ends = time.monotonic() + self.deadline_s
+
+    def _remaining(self, url: str) -> float:
+        if self._ends is None:
+            return self.deadline_s
+        left = self._ends - time.monotonic()
+        if left <= 0:
+            raise self._expired(url)
+        return left
+
+    def _expired(self, url: str) -> TimeoutError:
+        return TimeoutError(
+            f"{url}: the object store did not answer within the deadline of "
+            f"{self.deadline_s:g} s (set it with storage_options={{'deadline_s': ...}}); "
+            "what was committed before is intact, and the next save cleans up."
+        )
+
+    def call(self, url: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` of the filesystem, for `url`, cancelled when the
+        deadline passes (fsspec's asynchronous filesystems take a `timeout`)."""
+        timeout = self._remaining(url)
+        if _is_async(self.fs):
+            kwargs["timeout"] = timeout
+        with client_errors(url), self._deadline_errors(url):
+            return method(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _deadline_errors(self, url: str) -> Iterator[None]:
+        from fsspec.exceptions import FSTimeoutError
+
+        try:
+            yield
+        except FSTimeoutError as error:  # fsspec cancelled the request at the deadline
+            raise self._expired(url) from error
+
+    def _bound(self, stream: Any, url: str) -> None:
+        """Gives every request an s3fs upload stream makes the deadline too (its requests
+        all go through its `_call_s3`, which hands `timeout` on to fsspec)."""
+        inner = getattr(stream, "_call_s3", None)
+        if inner is None or not _is_async(self.fs):
+            return
+
+        def bounded(method: str, *args: Any, **kwargs: Any) -> Any:
+            with self._deadline_errors(url):
+                return inner(method, *args, timeout=self._remaining(url), **kwargs)
+
+        stream._call_s3 = bounded
 
     def strip(self, path: str) -> str:
         return self.fs._strip_protocol(path)
@@ -386,8 +466,7 @@ class ObjectStorage:
     def list(self, directory: str) -> list[Item]:
         self._fresh(directory)
         try:
-            with client_errors(directory):
-                entries = self.fs.ls(self.strip(directory), detail=True)
+            entries = self.call(directory, self.fs.ls, self.strip(directory), detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
         base = self.strip(directory).rstrip("/")
@@ -408,8 +487,7 @@ class ObjectStorage:
     def info(self, path: str) -> dict[str, Any] | None:
         self._fresh(path)
         try:
-            with client_errors(path):
-                return self.fs.info(self.strip(path))
+            return self.call(path, self.fs.info, self.strip(path))
         except FileNotFoundError:
             return None
 
@@ -434,11 +512,19 @@ class ObjectStorage:
         conditional write (S3's `If-None-Match`) where the client has one, and by a check
         just before committing in any case.
 
+        Every upload carries a random token in its user metadata. When the store committed
+        it but its answer was lost, the client retries by itself, and the retry is refused
+        (412: the object now exists; or "no such upload" for a completed multipart upload):
+        the token on the object then proves the upload ours, and the write succeeded.
+
         An upload big enough to go in parts first writes an empty marker object named like
         a local temporary file (`.{name}.tmp-{host}-{pid}-{random}`), removed once the
         upload is over: it says who is uploading, so that cleanup aborts only the
-        unfinished uploads of writers that are gone (`_files.remove_leftovers`)."""
+        unfinished uploads of writers that are gone (`_directory.remove_leftovers`). What a
+        failed upload could not remove (the store stopped answering) is removed by the next
+        write through the same client."""
         key = self.strip(path)
+        self._finish_cleanup(path)
         if not replace and self.exists(path):
             raise FileExistsError(path)
         if _buffers_locally(self.fs):
@@ -450,7 +536,7 @@ class ObjectStorage:
             with _MEMORY_LOCK:
                 if not replace and self.exists(path):
                     raise FileExistsError(path)
-                self.fs.pipe_file(key, bytes(buffer.data))
+                self.call(path, self.fs.pipe_file, key, bytes(buffer.data))
             return
         with client_errors(path):
             self._upload(path, key, write, replace)
@@ -470,57 +556,94 @@ class ObjectStorage:
     ) -> None:
         head, _, name = path.rpartition("/")
         marker = _UploadMarker(self, f"{head}/{_names.temp_name(name)}")
-        stream = self._open_for_upload(key, conditional)
+        token = secrets.token_hex(16)
+        stream = self._open_for_upload(key, conditional, token)
+        self._bound(stream, path)
         try:
             write(_MarkedStream(stream, marker))
             if not replace and self.exists(path):
                 raise FileExistsError(path)
             try:
                 stream.close()
-            except OSError as error:
+            except Exception as error:
+                if self._is_ours(path, key, token):
+                    return  # committed; only the store's answer was lost
                 # The store refused the completion: S3 answers a failed If-None-Match with
                 # "412 Precondition Failed", which clients report in various ways.
                 if not replace and self.exists(path):
                     raise FileExistsError(path) from None
-                if conditional and error.errno in (errno.ENOSYS, errno.EOPNOTSUPP):
+                if conditional and getattr(error, "errno", None) in (
+                    errno.ENOSYS,
+                    errno.EOPNOTSUPP,
+                ):
                     raise _ConditionRefused from error  # "501 Not Implemented"
                 raise
         except BaseException:
-            if not stream.closed:
-                with contextlib.suppress(Exception):
-                    stream.discard()
-                # A discarded file must never be closed: closing commits what was written
-                # (its finaliser would try to).
-                stream.closed = True
-            else:
-                with contextlib.suppress(Exception):  # a refused completion leaves parts
-                    self._abort_key(key, stream)
+            # A discarded file must never be closed: closing commits what was written (its
+            # finaliser would try to).
+            was_closed, stream.closed = stream.closed, True
+            if not was_closed or getattr(stream, "mpu", None):
+                self._abort_key(path, key, stream)  # a refused completion leaves parts
             raise
         finally:
             marker.remove()
 
-    def _open_for_upload(self, key: str, conditional: bool) -> Any:
+    def _open_for_upload(self, key: str, conditional: bool, token: str) -> Any:
+        # s3fs sends extra keyword arguments with the upload's requests.
+        signed = {"Metadata": {_UPLOAD_TOKEN: token}} if _is_s3fs(self.fs) else {}
         if conditional:
             with contextlib.suppress(ValueError, NotImplementedError, TypeError):
                 # "xb": the client asks the store to refuse the completion if the object
                 # exists by then (s3fs sends If-None-Match: *).
-                return self.fs.open(key, "xb", block_size=_PART_BYTES)
-        return self.fs.open(key, "wb", block_size=_PART_BYTES)
+                return self.fs.open(key, "xb", block_size=_PART_BYTES, **signed)
+        return self.fs.open(key, "wb", block_size=_PART_BYTES, **signed)
 
-    def _abort_key(self, key: str, stream: Any) -> None:
+    def _is_ours(self, path: str, key: str, token: str) -> bool:
+        """Whether the object `key` is the upload that carried `token` (False when the
+        store cannot say, or does not answer)."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None or not _is_s3fs(self.fs):
+            return False
+        bucket, _, name = key.partition("/")
+        try:
+            head = self.call(path, call, "head_object", Bucket=bucket, Key=name)
+        except Exception:
+            return False
+        return (head.get("Metadata") or {}).get(_UPLOAD_TOKEN) == token
+
+    def _abort_key(self, path: str, key: str, stream: Any) -> None:
         upload = getattr(stream, "mpu", None)
-        if upload and upload.get("UploadId"):
-            bucket, _, name = key.partition("/")
-            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name,
-                            UploadId=upload["UploadId"])  # fmt: skip
+        if not (upload and upload.get("UploadId")):
+            return
+        bucket, _, name = key.partition("/")
+
+        def abort(store: ObjectStorage) -> None:
+            store.call(path, store.fs.call_s3, "abort_multipart_upload", Bucket=bucket,
+                       Key=name, UploadId=upload["UploadId"])  # fmt: skip
+
+        self._try_or_later(abort)
+
+    def _try_or_later(self, action: Callable[[ObjectStorage], None]) -> None:
+        """Runs a cleanup request now, or (when the store does not answer) before the next
+        write through this client (under that write's deadline)."""
+        try:
+            action(self)
+        except FileNotFoundError:
+            pass  # already gone
+        except Exception:
+            with _PENDING_LOCK:
+                pending = _PENDING.setdefault(_client_key(self.fs), [])
+                if len(pending) < _MAX_PENDING:
+                    pending.append(action)
+
+    def _finish_cleanup(self, url: str) -> None:
+        with _PENDING_LOCK:
+            actions = _PENDING.pop(_client_key(self.fs), [])
+        for action in actions:
+            self._try_or_later(action)
 
     def open(self, path: str) -> Source:
-        from ._format import CheckpointFormatError
-
-        def bad(why: str) -> Exception:
-            return CheckpointFormatError(f"{path} is not a valid checkpoint: {why}.")
-
-        return _ObjectSource(self, path, bad)
+        return _ObjectSource(self, path, invalid(path))
 
     @staticmethod
     def identity_of(info: Mapping[str, Any]) -> Any:
@@ -535,7 +658,7 @@ class ObjectStorage:
 
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError):
-            self.fs.rm_file(self.strip(path))
+            self.call(path, self.fs.rm_file, self.strip(path))
         self._fresh(path)
 
     def remove_dir_if_empty(self, path: str) -> None:
@@ -556,7 +679,14 @@ class ObjectStorage:
         markers: dict[str, str] = {}
         while True:
             try:
-                page = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+                page = self.call(
+                    directory,
+                    call,
+                    "list_multipart_uploads",
+                    Bucket=bucket,
+                    Prefix=prefix,
+                    **markers,
+                )
             except Exception:
                 return found  # cleanup is best effort: a listing error never fails a save
             for upload in page.get("Uploads") or []:
@@ -577,8 +707,13 @@ class ObjectStorage:
         bucket, _, prefix = self.strip(directory).strip("/").partition("/")
         key = (prefix.rstrip("/") + "/" if prefix else "") + upload.name
         with contextlib.suppress(Exception):  # already completed or aborted: nothing to do
-            self.fs.call_s3(
-                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
+            self.call(
+                self.join(directory, upload.name),
+                self.fs.call_s3,
+                "abort_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload.upload_id,
             )
 
 
@@ -598,15 +733,52 @@ _CLIENT_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "googl
 @contextlib.contextmanager
 def client_errors(url: str) -> Iterator[None]:
     """Errors of the object-store client (botocore's `NoCredentialsError`, a refused
-    connection...) become `OSError`s that name the URL; `OSError`s pass unchanged."""
+    connection...) become `OSError`s that name the URL; `OSError`s that do not name it (s3fs
+    turns a 403 into `PermissionError: Forbidden`) get it added and keep their type."""
     try:
         yield
-    except OSError:
-        raise
+    except OSError as error:
+        if url in str(error):
+            raise
+        raise _naming(error, url) from error
     except Exception as error:
         if type(error).__module__.partition(".")[0] not in _CLIENT_MODULES:
             raise
         raise OSError(f"{url}: {type(error).__name__}: {error}") from error
+
+
+def _naming(error: OSError, url: str) -> OSError:
+    """`error` with `url` in front of its message, of the same type where that type can be
+    built from a message (so `except PermissionError` / `FileNotFoundError` still work)."""
+    message = f"{url}: {error}"
+    try:
+        named = type(error)(message)
+    except Exception:
+        return OSError(error.errno, message) if error.errno is not None else OSError(message)
+    if error.errno is not None and named.errno is None:
+        named.errno = error.errno
+    return named
+
+
+def _is_async(fs: Any) -> bool:
+    from fsspec.asyn import AsyncFileSystem
+
+    return isinstance(fs, AsyncFileSystem)
+
+
+def _is_s3fs(fs: Any) -> bool:
+    return any(cls.__module__.partition(".")[0] == "s3fs" for cls in type(fs).__mro__)
+
+
+def _client_key(fs: Any) -> Any:
+    return getattr(fs, "_fs_token", None) or id(fs)
+
+
+# Cleanup requests (aborting an upload, removing its marker) that failed because the store
+# did not answer, per client: the next write through that client runs them first.
+_PENDING: dict[Any, list[Callable[[ObjectStorage], None]]] = {}
+_PENDING_LOCK = threading.Lock()
+_MAX_PENDING = 1000
 
 
 class _UploadMarker:
@@ -617,15 +789,21 @@ class _UploadMarker:
         self.store, self.path, self.written = store, path, False
 
     def write(self) -> None:
-        self.store.fs.pipe_file(self.store.strip(self.path), b"")
+        store = self.store
+        store.call(self.path, store.fs.pipe_file, store.strip(self.path), b"")
         self.written = True
 
     def remove(self) -> None:
-        # Best effort: a marker left behind is removed by cleanup once its writer is gone,
-        # and must neither fail a committed upload nor hide the error of a failed one.
+        # Best effort: a marker left behind is removed by cleanup once its writer is gone
+        # (or by this client's next write, if the store stopped answering), and must neither
+        # fail a committed upload nor hide the error of a failed one.
         if self.written:
-            with contextlib.suppress(Exception):
-                self.store.remove(self.path)
+            path = self.path
+
+            def remove(store: ObjectStorage) -> None:
+                store.call(path, store.fs.rm_file, store.strip(path))
+
+            self.store._try_or_later(remove)
 
 
 class _MarkedStream:
@@ -687,7 +865,9 @@ def resolve(
 ) -> tuple[Storage, str]:
     """The storage for a checkpoint location, and the location as that storage names it
     (a local path, or a URL). `storage_options` go to the fsspec filesystem (credentials,
-    endpoint); the standard environment variables (`AWS_ENDPOINT_URL`, ...) apply too."""
+    endpoint), except `deadline_s` (how long one save may spend on requests); the standard
+    environment variables (`AWS_ENDPOINT_URL`, ...) apply too. A URL whose key the store
+    would rewrite (`a//b`, `a\\b`, `./`, `../`, a name ending in `.`) is refused."""
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"{caller}: expected a path or URL string, got {text!r}.")
@@ -713,6 +893,10 @@ def resolve(
     rest = rest.rstrip("/")
     if protocol in _EXTRAS and not rest.lstrip("/"):
         raise ValueError(f"{caller}: {text!r} names no bucket; expected {protocol}://bucket/run.")
+    if rest:  # not the root of a memory store
+        _check_key(text, rest[1:] if protocol == "memory" and rest[0] == "/" else rest, caller)
+    options = dict(storage_options or {})
+    deadline_s = _deadline(options.pop("deadline_s", DEFAULT_DEADLINE_S), caller)
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a dependency
@@ -728,22 +912,53 @@ def resolve(
             f"{caller}: cannot open {text}: the {protocol}:// backend is not installed "
             f"({error}); install it with {hint}."
         ) from None
-    options = dict(storage_options or {})
     if _accepts_listings_cache(cls):
         options.setdefault("use_listings_cache", False)
+    if any(c.__module__.partition(".")[0] == "s3fs" for c in cls.__mro__):
+        # A deep copy: botocore rewrites the `retries` dict it is given in place.
+        defaults = copy.deepcopy(_CLIENT_DEFAULTS)
+        options["config_kwargs"] = {**defaults, **(options.get("config_kwargs") or {})}
     fs = cls(**options)
-    return ObjectStorage(protocol, fs), f"{protocol}://{rest}"
+    return ObjectStorage(protocol, fs, deadline_s=deadline_s), f"{protocol}://{rest}"
+
+
+def _check_key(url: str, rest: str, caller: str) -> None:
+    """Refuses a location that an object store would not keep as written. Stores rewrite
+    some keys (SeaweedFS turns `a//b` and `a\\b` into `a/b`; S3 clients and servers treat
+    `.` and `..` segments differently; some stores drop a trailing `.`): a save would then
+    land under another key, a listing would find nothing, and two such URLs could collide."""
+    segments = rest.split("/")
+    problems = [
+        ("a backslash", "\\" in rest),
+        ("an empty path segment ('//')", any(not part for part in segments)),
+        ("a '.' or '..' segment", any(part in (".", "..") for part in segments)),
+        ("a segment ending in '.'", any(part.endswith(".") for part in segments)),
+        ("a control character", any(ord(c) < 32 or ord(c) == 127 for c in rest)),
+    ]
+    found = [what for what, present in problems if present]
+    if found:
+        raise ValueError(
+            f"{caller}: {url!r} has {found[0]}; object stores rewrite such keys, so the "
+            "checkpoints would land under another name and a resume would not find them. "
+            "Use plain segments separated by single '/'."
+        )
+
+
+def _deadline(value: Any, caller: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{caller}: storage_options['deadline_s'] must be a positive number of seconds, "
+            f"got {value!r}."
+        )
+    return float(value)
 
 
 def _accepts_listings_cache(cls: type) -> bool:
     from fsspec.implementations.memory import MemoryFileSystem
 
     return not issubclass(cls, MemoryFileSystem)
-
-
-def run_parallel(jobs: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Runs independent requests at once (object stores are latency-bound)."""
-    if len(jobs) <= 1:
-        return [job() for job in jobs]
-    with ThreadPoolExecutor(max_workers=min(_MAX_REQUESTS, len(jobs))) as pool:
-        return list(pool.map(lambda job: job(), jobs))

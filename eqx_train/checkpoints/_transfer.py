@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import jax
     import jax.numpy as jnp
 
-    from ._format import Tensor
+    from ._description import Tensor
 else:  # imported on first use: the command line reads headers without JAX
     from .._lazy import LazyModule
 

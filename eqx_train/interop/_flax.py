@@ -32,15 +32,15 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from ..checkpoints._format import (
+from ..checkpoints.engine import (
     MAX_DEPTH,
     MAX_NDIM,
     CheckpointFormatError,
+    LocalSource,
     aligned_empty,
     short,
     too_big,
 )
-from ..checkpoints._storage import _LocalSource
 
 _WINDOW = 1 << 20  # framing and scalars are read through a window of this many bytes
 _PIECE = 16 << 20  # array data is read in pieces of at most this many bytes...
@@ -488,7 +488,7 @@ def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpo
         return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
 
     try:
-        file = _LocalSource(path, bad)  # opened without blocking; regular files only
+        file = LocalSource(path, bad)  # opened without blocking; regular files only
     except FileNotFoundError:
         raise FileNotFoundError(f"load_flax_checkpoint: {path} does not exist.") from None
     try:

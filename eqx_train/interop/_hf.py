@@ -1,5 +1,6 @@
 """The Hugging Face sharded safetensors layout, written with eqx_train's one writer and read
-back through `restore_checkpoint`'s own matching code.
+back through `restore_checkpoint`'s own reader and matching code (the reader is
+`eqx_train.checkpoints`' `IndexReader`).
 
 Layout of a directory (as `huggingface_hub` and `transformers` write it):
 
@@ -25,15 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoints import _checkpoints, _files, _format, _names, _storage
-from ..checkpoints._format import CheckpointFormatError
+from ..checkpoints import engine
+from ..checkpoints.engine import (
+    HF_INDEX_NAME,
+    HF_SAVE_KEY,
+    HF_SHARD_PATTERN,
+    HF_SINGLE_NAME,
+    Tensor,
+    short,
+)
 
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
-SAVE_KEY = "eqx_train.save"
-TREE_CHECKSUM_KEY = "eqx_train.tree_checksum"
-INDEX_FORMAT = "eqx_train.hf_sharded"
 _MAX_INDEX_BYTES = 64 << 20
 # huggingface_hub's decimal units, and the binary ones transformers also accepts.
 _SIZE_UNITS = {
@@ -47,7 +49,7 @@ _SIZE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_LOCAL = _storage.LocalStorage()  # the layout lives in a local directory
+_LOCAL = engine.LocalStorage()  # the layout lives in a local directory
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*")
 
 
@@ -57,7 +59,7 @@ def parse_size(size: Any, caller: str = "save_sharded") -> int:
     if isinstance(size, bool) or not isinstance(size, int | str):
         raise TypeError(
             f"{caller}: max_shard_size must be an int (bytes) or a string such as '5GB', "
-            f"got {_format.short(size)}."
+            f"got {short(size)}."
         )
     if isinstance(size, int):
         value = size
@@ -76,11 +78,11 @@ def parse_size(size: Any, caller: str = "save_sharded") -> int:
     return value
 
 
-def plan_shards(tensors: Sequence[_format.Tensor], limit: int) -> list[list[_format.Tensor]]:
+def plan_shards(tensors: Sequence[Tensor], limit: int) -> list[list[Tensor]]:
     """huggingface_hub's split: tensors in order fill a shard until the next would pass
     `limit`; a tensor bigger than `limit` alone gets a shard of its own, in place."""
-    shards: list[list[_format.Tensor]] = []
-    current: list[_format.Tensor] = []
+    shards: list[list[Tensor]] = []
+    current: list[Tensor] = []
     size = 0
     for tensor in tensors:
         nbytes = _nbytes(tensor)
@@ -97,14 +99,8 @@ def plan_shards(tensors: Sequence[_format.Tensor], limit: int) -> list[list[_for
     return shards
 
 
-def _nbytes(tensor: _format.Tensor) -> int:
+def _nbytes(tensor: Tensor) -> int:
     return int(np.prod(tensor.shape, dtype=np.int64)) * tensor.dtype.itemsize
-
-
-def shard_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_NAME]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def save_sharded(
@@ -148,23 +144,23 @@ def save_sharded(
     caller = "save_sharded"
     directory = os.fspath(directory)
     limit = parse_size(max_shard_size, caller)
-    description, tensors = _format.describe(tree, caller=caller)
+    description, tensors = engine.describe(tree, caller=caller)
     groups = plan_shards(tensors, limit)
-    names = shard_names(len(groups))
+    names = engine.hf_shard_names(len(groups))
     token = os.urandom(8).hex()
     tree_text = json.dumps(description, separators=(",", ":"))
     base = {
-        "format": "pt",
-        "eqx_train.format": _format.FORMAT_NAME,
-        "eqx_train.format_version": str(_format.FORMAT_VERSION),
+        engine.HF_FORMAT_KEY: engine.HF_FORMAT_PT,
+        engine.FORMAT_KEY: engine.FORMAT_NAME,
+        engine.FORMAT_VERSION_KEY: str(engine.FORMAT_VERSION),
     }
     if len(groups) == 1:
         # One file: an ordinary eqx_train checkpoint file (without a step).
-        plans = [(names[0], groups[0], {**base, _format.TREE_KEY: tree_text})]
+        plans = [(names[0], groups[0], {**base, engine.TREE_KEY: tree_text})]
     else:
-        plans = [(n, g, {**base, SAVE_KEY: token}) for n, g in zip(names, groups, strict=True)]
+        plans = [(n, g, {**base, HF_SAVE_KEY: token}) for n, g in zip(names, groups, strict=True)]
     for _, group, metadata in plans:
-        _format.check_header_size(group, metadata, caller)
+        engine.check_header_size(group, metadata, caller)
     os.makedirs(directory, exist_ok=True)
     _remove_dead_temporaries(directory)
     if len(groups) > 1:
@@ -172,33 +168,33 @@ def save_sharded(
     for name, group, metadata in plans:
         _LOCAL.atomic_write(
             os.path.join(directory, name),
-            lambda fd, g=group, m=metadata: _format.write_file(fd, g, m),
+            lambda fd, g=group, m=metadata: engine.write_file(fd, g, m),
         )
     if len(groups) > 1:
         index = {
             "metadata": {
                 "total_size": sum(_nbytes(t) for t in tensors),
-                "eqx_train.format": INDEX_FORMAT,
-                "eqx_train.format_version": str(_format.FORMAT_VERSION),
-                SAVE_KEY: token,
-                _format.TREE_KEY: tree_text,
-                TREE_CHECKSUM_KEY: _format._text_digest(tree_text),
+                engine.FORMAT_KEY: engine.HF_INDEX_FORMAT,
+                engine.FORMAT_VERSION_KEY: str(engine.FORMAT_VERSION),
+                HF_SAVE_KEY: token,
+                engine.TREE_KEY: tree_text,
+                engine.HF_TREE_CHECKSUM_KEY: engine.text_digest(tree_text),
             },
             "weight_map": {t.name: name for name, group, _ in plans for t in group},
         }
         raw = json.dumps(index, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
         _LOCAL.atomic_write(
-            os.path.join(directory, INDEX_NAME), lambda fd: _format.write_all(fd, memoryview(raw))
+            os.path.join(directory, HF_INDEX_NAME), lambda fd: engine.write_all(fd, memoryview(raw))
         )
     # The new save is in place: only now may the previous one's files go.
-    stale = [INDEX_NAME] if len(groups) == 1 else [SINGLE_NAME]
+    stale = [HF_INDEX_NAME] if len(groups) == 1 else [HF_SINGLE_NAME]
     stale += [
         entry
         for entry in os.listdir(directory)
-        if SHARD_PATTERN.fullmatch(entry) and entry not in names
+        if HF_SHARD_PATTERN.fullmatch(entry) and entry not in names
     ]
-    _files.remove_paths(_LOCAL, [os.path.join(directory, entry) for entry in stale])
-    _storage.fsync_dir(directory)
+    engine.remove_paths(_LOCAL, [os.path.join(directory, entry) for entry in stale])
+    engine.fsync_dir(directory)
 
 
 def _uncommit_foreign_index(directory: str, names: Sequence[str]) -> None:
@@ -206,198 +202,33 @@ def _uncommit_foreign_index(directory: str, names: Sequence[str]) -> None:
     shards of the same names are replaced under it: nothing could then tell its old shards
     from the new ones after a crash, and a load would mix two saves. An index of ours is
     kept: its token makes such a mix fail loudly, naming the shard."""
-    index = os.path.join(directory, INDEX_NAME)
+    index = os.path.join(directory, HF_INDEX_NAME)
     if not os.path.lexists(index):
         return
     if not any(os.path.lexists(os.path.join(directory, name)) for name in names):
         return
     try:
-        with IndexReader(directory) as reader:
-            if reader.metadata.get(SAVE_KEY):
+        with engine.IndexReader(directory) as reader:
+            if reader.metadata.get(HF_SAVE_KEY):
                 return
     except (OSError, ValueError):
         pass
     _LOCAL.remove(index)
-    _storage.fsync_dir(directory)
+    engine.fsync_dir(directory)
 
 
 def _remove_dead_temporaries(directory: str) -> None:
     """Temporary files that killed saves of this layout left behind (only names this module
     writes, and only when their writer's process is gone)."""
-    ours = {SINGLE_NAME, INDEX_NAME}
+    ours = {HF_SINGLE_NAME, HF_INDEX_NAME}
     for entry in os.listdir(directory):
-        temp = _names.parse_temp(entry)
-        if temp is not None and (temp[0] in ours or SHARD_PATTERN.fullmatch(temp[0])):
-            if _names.writer_is_dead(temp[1], temp[2]):
+        temp = engine.parse_temp(entry)
+        if temp is not None and (temp[0] in ours or HF_SHARD_PATTERN.fullmatch(temp[0])):
+            if engine.writer_is_dead(temp[1], temp[2]):
                 _LOCAL.remove(os.path.join(directory, entry))
 
 
 # ------------------------------------------------------------------------------------ load
-
-
-def is_plain_file_name(name: Any) -> bool:
-    """A name that can only mean a file directly inside the directory."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and not any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep, "\0"))
-        and not os.path.isabs(name)
-    )
-
-
-class IndexReader:
-    """A sharded Hugging Face directory as one checkpoint reader, with the interface of
-    `FileReader` (`arrays`, `read`, `read_many`, `has_description`, `description`), so that
-    `restore_checkpoint`'s matching code serves it unchanged.
-
-    The whole index is validated and every shard's header read and checked against it
-    before anything is trusted; tensor data is then read only from the shards that hold
-    the tensors asked for.
-    """
-
-    def __init__(self, directory: str):
-        self.path = directory
-        self.index_path = os.path.join(directory, INDEX_NAME)
-        self._files: dict[str, _format.FileReader] = {}
-        try:
-            self._load()
-        except BaseException:
-            self.close()
-            raise
-
-    def bad(self, why: str) -> CheckpointFormatError:
-        return CheckpointFormatError(f"{self.index_path} is not a valid index: {why}.")
-
-    def _load(self) -> None:
-        # The checkpoint reader's own source: no blocking open, regular files only.
-        source = _storage._LocalSource(self.index_path, self.bad)
-        try:
-            if source.size > _MAX_INDEX_BYTES:
-                raise self.bad(
-                    f"it has {source.size} bytes, more than the {_MAX_INDEX_BYTES} allowed"
-                )
-            raw = bytearray(source.size)
-            source.read_into(memoryview(raw), 0)
-        finally:
-            source.close()
-        index = _format.parse_json(bytes(raw), "the index", self.bad)
-        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-            raise self.bad("it is not a JSON object with a 'weight_map' object")
-        metadata = index.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise self.bad("its 'metadata' is not a JSON object")
-        weight_map: dict[str, Any] = index["weight_map"]
-        by_file: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            if not is_plain_file_name(file):
-                raise self.bad(
-                    f"tensor {_format.short(name)} is mapped to {_format.short(file)}, which is "
-                    "not a plain file name in the directory"
-                )
-            by_file.setdefault(file, []).append(name)
-        # Only the string entries are ours (total_size is a number; others are foreign).
-        self.metadata: dict[str, str] = {k: v for k, v in metadata.items() if isinstance(v, str)}
-        self.total_size = metadata.get("total_size")
-        token = self.metadata.get(SAVE_KEY)
-        shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-        self._where: dict[str, str] = {}
-        for file, names in by_file.items():
-            path = os.path.join(self.path, file)
-            try:
-                reader = _format.FileReader(path)
-            except FileNotFoundError:
-                raise self.bad(f"it maps tensors to {file}, which is missing") from None
-            self._files[file] = reader
-            for name in names:
-                if name not in reader.tensors:
-                    raise self.bad(
-                        f"it maps tensor {_format.short(name)} to {file}, which lacks it"
-                    )
-            unlisted = sorted(set(reader.tensors) - set(names))
-            if unlisted:
-                raise self.bad(
-                    f"{file} holds tensors the index does not map to it: "
-                    f"{_format.short(unlisted[:5])}"
-                )
-            if token is not None and reader.metadata.get(SAVE_KEY) != token:
-                raise self.bad(
-                    f"{file} belongs to another save than the index (a save was interrupted "
-                    "while replacing it); save again"
-                )
-        for name, file in weight_map.items():
-            info = self._files[file].tensors[name]
-            shapes[name] = (info.shape, info.dtype)
-            self._where[name] = file
-        self._shapes = shapes
-        self._description: Any = None
-
-    def __enter__(self) -> IndexReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for reader in self._files.values():
-            reader.close()
-
-    def files(self) -> dict[str, _format.FileReader]:
-        """The open shard readers, by file name, in the index's order."""
-        return dict(self._files)
-
-    def file_of(self, name: str) -> str:
-        return self._where[name]
-
-    @property
-    def has_description(self) -> bool:
-        return _format.TREE_KEY in self.metadata
-
-    @property
-    def description(self) -> Any:
-        if self._description is None:
-            text = self.metadata[_format.TREE_KEY]
-            if self.metadata.get(TREE_CHECKSUM_KEY) != _format._text_digest(text):
-                raise self.bad("its tree description fails its checksum")
-            self._description = _format.parse_description(text, self._shapes, self.bad)
-        return self._description
-
-    def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        return self._shapes
-
-    def read(
-        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
-    ) -> np.ndarray:
-        return self._files[self._where[name]].read(name, index, verify=verify)
-
-    def read_many(
-        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
-    ) -> dict[str, np.ndarray]:
-        grouped: dict[str, list[str]] = {}
-        for name in names:
-            grouped.setdefault(self._where[name], []).append(name)
-        found: dict[str, np.ndarray] = {}
-        for file, group in grouped.items():
-            found.update(self._files[file].read_many(group, verify=verify, parallel=parallel))
-        return {name: found[name] for name in names}
-
-
-def open_layout(directory: str) -> _format.FileReader | IndexReader:
-    """The reader for a Hugging Face directory: `model.safetensors` when present (as
-    `transformers` prefers it), else the index and its shards."""
-    single = os.path.join(directory, SINGLE_NAME)
-    if os.path.isfile(single):
-        return _format.FileReader(single)
-    if os.path.lexists(os.path.join(directory, INDEX_NAME)):
-        return IndexReader(directory)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"{directory} is not a directory")
-    raise FileNotFoundError(f"{directory} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
-
-
-def is_layout(directory: str) -> bool:
-    return os.path.isdir(directory) and any(
-        os.path.lexists(os.path.join(directory, n)) for n in (SINGLE_NAME, INDEX_NAME)
-    )
 
 
 def load_sharded(
@@ -447,7 +278,7 @@ def load_sharded(
     shard, a shard from another save); `ValueError` listing every mismatch with `target`.
     """
     directory = os.fspath(directory)
-    with open_layout(directory) as reader:
-        return _checkpoints._restore_from(
+    with engine.open_reader(_LOCAL, engine.Location(directory, "hf")) as reader:
+        return engine.restore_from(
             reader, target, strict=strict, parallel=parallel, verify=verify, caller="load_sharded"
         )

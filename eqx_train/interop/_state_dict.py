@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from .._tree import path_to_name
-from ..checkpoints._format import is_prng_key, short
+from ..checkpoints.engine import is_prng_key, short
 
 _T = TypeVar("_T")
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]

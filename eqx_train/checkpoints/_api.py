@@ -1,33 +1,34 @@
-"""The save pipeline and the restore pipeline, for both layouts, and the public functions
-save_checkpoint / restore_checkpoint / latest_checkpoint / available_steps."""
+"""The public checkpoint functions, save_checkpoint / save_checkpoint_multiprocess /
+restore_checkpoint / latest_checkpoint / available_steps, and the one save pipeline behind
+every save (both layouts). Restoring is `_restore`'s."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
-from contextlib import closing
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import numpy as np
 
 if TYPE_CHECKING:
     import jax
-    import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
     from .._lazy import LazyModule
 
     jax = LazyModule("jax")
-    jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
-from . import _files, _format, _multiprocess, _names, _storage, _transfer
+from . import (
+    _description,
+    _directory,
+    _format,
+    _multiprocess,
+    _names,
+    _restore,
+    _storage,
+    _transfer,
+)
 from ._async import AsyncManager
 from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
 
 T = TypeVar("T")
-_MAX_LISTED_PROBLEMS = 20
-_RESTORE_ATTEMPTS = 5
 
 
 def save_checkpoint(
@@ -90,7 +91,9 @@ def save_checkpoint(
       hashed and written.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
-      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
+      variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too. Besides,
+      `"deadline_s"` bounds the time all of this save's requests may take together (1800 s
+      by default; then `TimeoutError` naming the URL, see docs/cloud_storage.md).
 
     **Returns:**
 
@@ -110,7 +113,7 @@ def save_checkpoint(
         step,
         prefix=prefix,
         overwrite=overwrite,
-        retention=_files.flax_retention(keep, keep_every_n_steps, "save_checkpoint"),
+        retention=_directory.flax_retention(keep, keep_every_n_steps, "save_checkpoint"),
         async_manager=async_manager,
         caller="save_checkpoint",
         snapshot=snapshot,
@@ -126,7 +129,7 @@ def save_pipeline(
     *,
     prefix: str,
     overwrite: bool,
-    retention: _files.Retention,
+    retention: _directory.Retention,
     async_manager: AsyncManager | None,
     caller: str,
     extra_metadata: dict[str, str] | None = None,
@@ -145,13 +148,13 @@ def save_pipeline(
     """
     _transfer.check_options(snapshot, host_window_bytes, caller)
     store, ckpt_dir = _storage.resolve(ckpt_dir, storage_options, caller=caller)
-    if multiprocess and not store.is_local and timeout_s > _files.STALE_S / 2:
+    if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
         # On an object store nobody can tell a live writer's uncommitted pieces from a dead
         # one's but by age: other saves remove them after `STALE_S`.
         raise ValueError(
             f"{caller}: timeout_s={timeout_s!r} is too long for an object store; at most "
-            f"{_files.STALE_S / 2:.0f} s, since uncommitted pieces older than "
-            f"{_files.STALE_S:.0f} s count as abandoned."
+            f"{_directory.STALE_S / 2:.0f} s, since uncommitted pieces older than "
+            f"{_directory.STALE_S:.0f} s count as abandoned."
         )
     _names.check_prefix(prefix, caller)
     value = _names.check_step(step, caller)
@@ -161,7 +164,8 @@ def save_pipeline(
         raise ValueError(f"{caller}: {error}") from None
     if async_manager is not None:
         async_manager.wait_previous_save()
-    description, tensors = _format.describe(target, caller=caller, allow_global=multiprocess)
+    store.start_deadline()  # every request of this save, from here on, shares one budget
+    description, tensors = _description.describe(target, caller=caller, allow_global=multiprocess)
     step_text = _names.canonical_step(step)
     metadata = {
         **_format.base_metadata(step_text, description),
@@ -169,11 +173,11 @@ def save_pipeline(
     }
     _format.check_header_size(tensors, metadata, caller)
     store.makedirs(ckpt_dir)
-    _files.check_newer(store, ckpt_dir, prefix, value, step_text, overwrite, caller)
+    _directory.check_newer(store, ckpt_dir, prefix, value, step_text, overwrite, caller)
     final_path = store.join(ckpt_dir, name)
 
     def after_commit() -> None:
-        _files.apply_retention(
+        _directory.apply_retention(
             store, ckpt_dir, prefix, value, final_path, overwrite=overwrite, retention=retention
         )
 
@@ -189,7 +193,7 @@ def save_pipeline(
 
         def commit() -> None:
             if jax.process_index() == 0:
-                _files.remove_leftovers(
+                _directory.remove_leftovers(
                     store, ckpt_dir, prefix, keep_token=token, current=final_path
                 )
             _multiprocess.write_and_commit(
@@ -209,7 +213,7 @@ def save_pipeline(
     else:
 
         def commit() -> None:
-            _files.remove_leftovers(store, ckpt_dir, prefix)
+            _directory.remove_leftovers(store, ckpt_dir, prefix)
             try:
                 store.atomic_write(
                     final_path,
@@ -282,7 +286,7 @@ def save_checkpoint_multiprocess(
         step,
         prefix=prefix,
         overwrite=overwrite,
-        retention=_files.flax_retention(keep, keep_every_n_steps, caller),
+        retention=_directory.flax_retention(keep, keep_every_n_steps, caller),
         async_manager=async_manager,
         caller=caller,
         multiprocess=True,
@@ -307,7 +311,7 @@ def latest_checkpoint(
     object-store URL (then `storage_options` as for `save_checkpoint`).
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
-    newest = _files.latest(_files.list_checkpoints(store, where, prefix))
+    newest = _directory.latest(_directory.list_checkpoints(store, where, prefix))
     return None if newest is None else newest.path
 
 
@@ -330,7 +334,7 @@ def available_steps(
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
     """
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="available_steps")
-    listing = _files.list_checkpoints(store, where, prefix)
+    listing = _directory.list_checkpoints(store, where, prefix)
     texts = list({e.value: e.text for e in listing}.values())
     if step_type is int:
         steps = [_names.step_from_text(text) for text in texts]
@@ -342,54 +346,6 @@ def available_steps(
 
 
 # ------------------------------------------------------------------------------------ restore
-
-
-Reader = _format.FileReader | _multiprocess.ShardedReader
-
-
-def open_reader(store: _storage.Storage, path: str) -> Reader:
-    """The reader for a checkpoint path: a `.shards` directory or a single file."""
-    if store.is_dir(path):
-        if _multiprocess.is_sharded_checkpoint(store, path):
-            return _multiprocess.ShardedReader(store, path)
-        # Listed as committed a moment ago: retention (which uncommits first) removed it.
-        raise FileNotFoundError(f"{path} has no {_names.INDEX_NAME} (any more)")
-    return _format.FileReader(path, store.open(path))
-
-
-def _resolve(
-    store: _storage.Storage, ckpt_dir: str, step: Any, prefix: str
-) -> tuple[str | None, bool]:
-    """(checkpoint path or None, whether it was chosen from a directory listing)."""
-    is_dir = store.is_dir(ckpt_dir)
-    if (is_dir and _multiprocess.is_sharded_checkpoint(store, ckpt_dir)) or (
-        not is_dir and store.exists(ckpt_dir)
-    ):
-        if step is not None:
-            raise ValueError(
-                f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a checkpoint, "
-                "not a directory of checkpoints; pass the directory to choose a step."
-            )
-        return ckpt_dir, False
-    if not is_dir:
-        return None, False
-    if ckpt_dir.rstrip("/" + os.sep).endswith(_names.SHARDED_SUFFIX):
-        raise _format.CheckpointFormatError(
-            f"{ckpt_dir} is not a valid checkpoint: it has no {_names.INDEX_NAME}, so its save "
-            "never committed."
-        )
-    listing = _files.list_checkpoints(store, ckpt_dir, prefix)
-    if step is None:
-        newest = _files.latest(listing)
-        return (None if newest is None else newest.path), True
-    found = _files.find_step(listing, _names.check_step(step, "restore_checkpoint"))
-    if found is not None:
-        return found.path, True
-    available = list({e.value: e.text for e in listing}.values())
-    raise ValueError(
-        f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
-        f"{ckpt_dir}; available steps: {available}."
-    )
 
 
 def restore_checkpoint(
@@ -451,227 +407,14 @@ def restore_checkpoint(
     """
     _transfer.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
-    named_gone: FileNotFoundError | None = None
-    for attempt in range(_RESTORE_ATTEMPTS):
-        path, listed = _resolve(store, where, step, prefix)
-        if path is None:
-            if named_gone is not None:
-                raise named_gone  # the checkpoint named was there, and went
-            return target
-        try:
-            with open_reader(store, path) as reader:
-                return _restore_one(
-                    reader,
-                    target,
-                    strict=strict,
-                    parallel=parallel,
-                    verify=verify,
-                    host_window_bytes=host_window_bytes,
-                )
-        except FileNotFoundError as error:
-            # A concurrent save replaced or removed what we were reading (an overwrite of
-            # the step, or retention after a newer save): look again.
-            if attempt + 1 == _RESTORE_ATTEMPTS:
-                raise
-            named_gone = None if listed else error
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:
-    """`_restore_from`, then proof that no file read changed meanwhile (object stores): a
-    checksum failure or a silently mixed read becomes `ObjectReplacedError`, and a retry."""
-    try:
-        restored = _restore_from(reader, target, **options)
-    except _format.CheckpointFormatError:
-        reader.check_unchanged()
-        raise
-    reader.check_unchanged()
-    return restored
-
-
-def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
-    """A foreign safetensors file (no tree description): nested dicts split on '.'."""
-    nested: dict[str, Any] = {}
-    for name, array in flat.items():
-        node = nested
-        *parents, last = name.split(".")
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                return dict(flat)
-            node = child
-        if last in node:
-            return dict(flat)
-        node[last] = array
-    return nested
-
-
-def _describe(shape: Any, dtype: Any) -> str:
-    return f"{tuple(shape)} {np.dtype(dtype)}"
-
-
-def _expected(kind: _format.LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | None]:
-    """What a target leaf needs from the file: its shape, and its dtype (None: a Python
-    scalar, which takes any dtype whose value converts exactly)."""
-    if kind.scalar_type is not None:
-        return (), None
-    data = kind.data(leaf)
-    return tuple(data.shape), np.dtype(data.dtype)
-
-
-def _fail(path: str, problems: list[str], strict: bool, caller: str) -> None:
-    listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
-    more = len(problems) - _MAX_LISTED_PROBLEMS
-    listed += f"\n  ... and {more} more" if more > 0 else ""
-    raise ValueError(
-        f"{caller}: {path} does not match the target:\n  {listed}\n"
-        "Pass target=None to load the file as saved"
-        + (", or strict=False to restore only the leaves present in both." if strict else ".")
+    return _restore.restore(
+        store,
+        where,
+        target,
+        step,
+        prefix,
+        strict=strict,
+        parallel=parallel,
+        verify=verify,
+        host_window_bytes=host_window_bytes,
     )
-
-
-def _restore_from(
-    reader: Any,
-    target: Any,
-    *,
-    strict: bool,
-    parallel: bool,
-    verify: bool,
-    caller: str = "restore_checkpoint",
-    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
-) -> Any:
-    # `reader`: a `Reader`, or any reader with the same interface (path, bad, arrays, read,
-    # read_many, has_description, description), such as interop's Hugging Face layout.
-    if target is None:
-        if not reader.has_description:
-            return _unflatten_names(reader.read_many(list(reader.arrays()), verify=verify))
-        description = reader.description
-        arrays = reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
-        try:
-            return _format.rebuild(description, arrays.__getitem__)
-        except _format.CheckpointFormatError:
-            raise
-        except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown PRNG impl
-            raise reader.bad(
-                f"its tree cannot be rebuilt ({_format.short(str(error), 160)})"
-            ) from None
-
-    available = reader.arrays()
-    saved_keys = _saved_key_impls(reader)
-    pairs, treedef = jtu.tree_flatten_with_path(target)
-    leaves = [leaf for _, leaf in pairs]
-    slots: list[tuple[int, str, _format.LeafKind]] = []
-    problems: list[str] = []
-    mismatched: list[str] = []
-    used: set[str] = set()
-    for index, (key_path, leaf) in enumerate(pairs):
-        kind = _format.kind_of(leaf)
-        if kind is None:
-            continue  # not data: kept from the target
-        name = path_to_name(key_path)
-        shape, dtype = _expected(kind, leaf)
-        expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
-        if name not in available:
-            if strict:
-                problems.append(f"'{name}': missing from the file, target expects {expectation}")
-            continue
-        used.add(name)
-        file_shape, file_dtype = available[name]
-        numeric = file_dtype.kind in "biuf"
-        if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
-            mismatched.append(name)
-            problems.append(
-                f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
-                f"{expectation}"
-            )
-            continue
-        if kind.name == "prng_key" and saved_keys.get(name, str(jax.random.key_impl(leaf))) != str(
-            jax.random.key_impl(leaf)
-        ):
-            problems.append(
-                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects "
-                f"{jax.random.key_impl(leaf)}"
-            )
-            continue
-        slots.append((index, name, kind))
-    if strict:
-        for name, (shape, dtype) in available.items():
-            if name not in used:
-                problems.append(
-                    f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
-                )
-    if problems:
-        # A file whose header was corrupted can look like a mismatch: its checksums say which.
-        for name in mismatched:
-            reader.read(name, verify=True)
-        _fail(reader.path, problems, strict, caller)
-
-    whole = {
-        name: (index, kind)
-        for index, name, kind in slots
-        if not _blockwise(reader, leaves[index], kind)
-    }
-    shapes = reader.arrays()
-    reads = _transfer.windowed_reads(
-        list(whole),
-        lambda name: math.prod(shapes[name][0]) * shapes[name][1].itemsize,
-        lambda group: reader.read_many(group, verify=verify, parallel=parallel),
-        _transfer.HostWindow(host_window_bytes),
-    )
-    with closing(reads):
-        for name, array in reads:
-            index, kind = whole[name]
-            try:
-                leaves[index] = kind.fill(leaves[index], array)
-            except ValueError as error:
-                problems.append(f"'{name}': {error}")
-                continue
-            # On the device before its host bytes count as released (an accelerator copies
-            # them asynchronously; a CPU device adopts them).
-            if isinstance(leaves[index], jax.Array):
-                leaves[index].block_until_ready()
-    for index, name, _ in slots:
-        if name not in whole:
-            leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
-    if problems:
-        _fail(reader.path, problems, strict, caller)
-    return jtu.tree_unflatten(treedef, leaves)
-
-
-def _saved_key_impls(reader: Any) -> dict[str, str]:
-    """The implementation of every typed PRNG key the file's tree records, by tensor name."""
-    if not reader.has_description:
-        return {}
-    found: dict[str, str] = {}
-    stack = [reader.description]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("kind") == "prng_key":
-                found[node["tensor"]] = node["impl"]
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
-
-
-def _blockwise(reader: Any, leaf: Any, kind: _format.LeafKind) -> bool:
-    """Read device by device (each device's block only) rather than whole: for an array
-    target whose sharding spans processes, or any sharded target of a `.shards` layout."""
-    sharding = getattr(leaf, "sharding", None)
-    if kind.name != "array" or sharding is None or isinstance(leaf, np.ndarray):
-        return False
-    return isinstance(reader, _multiprocess.ShardedReader) or not sharding.is_fully_addressable
-
-
-def _read_blockwise(reader: Any, name: str, leaf: Any, verify: bool) -> jax.Array:
-    shape, sharding = tuple(leaf.shape), leaf.sharding
-    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
-    blocks = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
-        if bounds not in read:
-            read[bounds] = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
-        blocks.append(jax.device_put(read[bounds], device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, blocks)

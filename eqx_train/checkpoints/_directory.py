@@ -1,17 +1,17 @@
-"""Checkpoints in a directory (local or an object-store prefix, through `_storage`): listing
+"""The checkpoint directory (local or an object-store prefix, through `_storage`): listing
 in numeric order, retention, removal of only what this library wrote, and cleanup of what
-dead writers left. Every name comes from `_names`."""
+dead writers left. Every name comes from `_names`; which pieces a `.shards` index cites,
+from `_shards`."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from . import _format, _names
+from . import _names, _shards
 from ._storage import Storage
 
 
@@ -27,6 +27,11 @@ class Entry:
     @property
     def step(self) -> int | float:
         return _names.step_from_text(self.text)
+
+    @property
+    def layout(self) -> str:
+        """How to read it (`_restore.open_reader`): "shards" or "file", known from its name."""
+        return "shards" if self.sharded else "file"
 
 
 def list_checkpoints(store: Storage, ckpt_dir: str, prefix: str) -> list[Entry]:
@@ -200,7 +205,7 @@ def remove_checkpoint(store: Storage, entry: Entry) -> None:
     if not entry.sharded:
         store.remove(entry.path)
         return
-    cited = referenced_pieces(store, entry.path) or set()
+    cited = _shards.referenced_pieces(store, entry.path) or set()
     index = store.join(entry.path, _names.INDEX_NAME)
     store.remove(index)
     if store.exists(index):
@@ -300,20 +305,6 @@ def _is_stale(store: Storage, age_s: float | None) -> bool:
     return not store.is_local and age_s is not None and age_s > STALE_S
 
 
-def referenced_pieces(store: Storage, path: str) -> set[str] | None:
-    """The piece files a committed `.shards` directory's index cites; None if it has no
-    index; every name in the directory if the index cannot be read (then nothing goes)."""
-    index = store.join(path, _names.INDEX_NAME)
-    try:
-        with _format.FileReader(index, store.open(index)) as reader:
-            arrays = json.loads(reader.metadata[_format.ARRAYS_KEY])
-        return {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {item.name for item in store.list(path)}
-
-
 def _writer_is_dead(store: Storage, item_age_s: float | None, token: str) -> bool:
     """Whether the save that wrote a piece named with `token` is over. On this machine, its
     process is gone. Elsewhere (object stores, which no host owns) liveness is unknowable;
@@ -330,7 +321,7 @@ def clean_shards_dir(store: Storage, path: str, *, keep_token: str | None) -> No
     `keep_token` that the index does not cite and whose writer is dead, and temporaries of
     dead writers. Removes the directory if it ends up empty and uncommitted."""
     items = store.list(path)
-    protected = referenced_pieces(store, path) or set()
+    protected = _shards.referenced_pieces(store, path) or set()
     now = time.time()
     for item in items:
         name = item.name

@@ -1,0 +1,434 @@
+"""The tree description and the leaf kinds: what a pytree becomes in a checkpoint, without
+the bytes.
+
+`describe` turns a pytree into a JSON description (dicts, lists, tuples, other pytree
+nodes as named children, strings kept, non-data leaves skipped) and the `Tensor`s to write;
+`validate_description` checks a description read from a file before it is trusted;
+`rebuild` turns it back into a tree of NumPy arrays. One table (`LEAF_KINDS`) says which
+leaf kinds exist and how each is saved, rebuilt and filled into a target, and one table
+(`CODE_TO_DTYPE`) which dtypes a tensor may have and their safetensors codes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    import jax.numpy as jnp
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jax = LazyModule("jax")
+    jnp = LazyModule("jax.numpy")
+    jtu = LazyModule("jax.tree_util")
+
+from .._tree import path_to_name
+from ._errors import short
+from ._names import RESERVED_TENSOR_NAMES
+
+MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too
+
+Arrays = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+"""Every tensor of a checkpoint: name -> (shape, dtype)."""
+
+DTYPE_TO_CODE: dict[np.dtype, str] = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
+}
+CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_TO_CODE.items()}
+
+
+def dtype_code(dtype: Any, name: str, caller: str) -> str:
+    try:
+        return DTYPE_TO_CODE[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        supported = ", ".join(sorted(str(d) for d in DTYPE_TO_CODE))
+        raise TypeError(
+            f"{caller}: leaf '{name}' has dtype {dtype}, which safetensors cannot store. "
+            f"Supported dtypes: {supported}."
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# The leaf kinds: one table, used to describe a tree, rebuild it, and fill a target.
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: its name, a way to get its NumPy value, and the array it came
+    from (a `jax.Array` whose shards a multi-process save writes piece by piece). `owned`:
+    the source is a snapshot copy made for this save, which the writer frees once written."""
+
+    name: str
+    get: Callable[[], np.ndarray]
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    source: Any = None
+    owned: bool = False
+
+
+def is_prng_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+@dataclass(frozen=True)
+class LeafKind:
+    """How one kind of leaf is saved (as a 0-d or n-d tensor), rebuilt without a target, and
+    checked against a target leaf of the same kind."""
+
+    name: str
+    test: Callable[[Any], bool]
+    data: Callable[[Any], Any]  # the leaf as an array-like with .dtype/.shape
+    rebuild: Callable[[np.ndarray, dict[str, Any]], Any]
+    fill: Callable[[Any, np.ndarray], Any]  # (target leaf, file array) -> restored leaf
+    scalar_type: type | None = None  # Python scalars: any dtype whose value converts exactly
+
+
+def _wrap_key(array: np.ndarray, impl: Any) -> Any:
+    return jax.random.wrap_key_data(jnp.asarray(array), impl=impl)
+
+
+def _place(array: Any, like: Any) -> Any:
+    sharding = getattr(like, "sharding", None)
+    return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+
+
+def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
+    def fill(leaf: Any, array: np.ndarray) -> Any:
+        value = array[()].item()  # a Python number: comparisons below are exact
+        try:
+            converted = type(leaf)(value)
+        except (ValueError, OverflowError, TypeError):
+            converted = None
+        same = converted is not None and (
+            converted == value
+            or (isinstance(converted, float) and math.isnan(converted) and math.isnan(value))
+        )
+        if not same or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(
+                f"the file holds {short(value)} ({array.dtype}), not exactly a {kind.__name__}"
+            )
+        return converted
+
+    return fill
+
+
+LEAF_KINDS: tuple[LeafKind, ...] = (
+    LeafKind(
+        "prng_key",
+        is_prng_key,
+        lambda key: jax.random.key_data(key),
+        lambda a, entry: _wrap_key(a, entry["impl"]),
+        lambda leaf, a: _place(_wrap_key(a, jax.random.key_impl(leaf)), leaf),
+    ),
+    LeafKind(
+        "array",
+        lambda x: isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct),
+        lambda x: x,
+        lambda a, entry: a,
+        lambda leaf, a: a if isinstance(leaf, np.ndarray) else _place(a, leaf),
+    ),
+    LeafKind(
+        "numpy_scalar",
+        lambda x: isinstance(x, np.generic),
+        np.asarray,
+        lambda a, entry: a[()],
+        lambda leaf, a: a[()],
+    ),
+    # bool before int before float: an IntEnum is an int, bool is an int too.
+    LeafKind(
+        "bool",
+        lambda x: isinstance(x, bool),
+        lambda x: np.asarray(x, np.bool_),
+        lambda a, entry: bool(a.item()),
+        _exact_scalar(bool),
+        bool,
+    ),
+    LeafKind(
+        "int",
+        lambda x: isinstance(x, int),
+        lambda x: np.asarray(x, np.int64),
+        lambda a, entry: int(a.item()),
+        _exact_scalar(int),
+        int,
+    ),
+    LeafKind(
+        "float",
+        lambda x: isinstance(x, float),
+        lambda x: np.asarray(x, np.float64),
+        lambda a, entry: float(a.item()),
+        _exact_scalar(float),
+        float,
+    ),
+)
+KIND_BY_NAME = {kind.name: kind for kind in LEAF_KINDS}
+
+
+def kind_of(leaf: Any) -> LeafKind | None:
+    """The kind of a tensor leaf, or None for leaves that are not data (str, functions...)."""
+    return next((kind for kind in LEAF_KINDS if kind.test(leaf)), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Tree description: pytree <-> JSON.
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """One level of flattening as [(key, child)]; None when `node` is a leaf. Empty
+    containers ({}, [], an optax EmptyState) are nodes with no children, not leaves."""
+    pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return None
+    return [(path[0], child) for path, child in pairs]
+
+
+def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
+    """The JSON description of `tree` and its tensors in order. Raises, before anything is
+    written, naming the leaf path, for what cannot be saved faithfully."""
+    tensors: list[Tensor] = []
+    seen: set[str] = set()
+
+    def add_tensor(keys: tuple[Any, ...], kind: LeafKind, leaf: Any) -> dict[str, Any]:
+        name = path_to_name(keys)
+        if name in RESERVED_TENSOR_NAMES:
+            raise ValueError(
+                f"{caller}: the tensor name '{name}' is reserved by the safetensors format "
+                "(it holds the file's metadata). Rename that key."
+            )
+        if name in seen:
+            raise ValueError(
+                f"{caller}: two leaves map to the tensor name '{name}' (a key contains '.' "
+                "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
+            )
+        seen.add(name)
+        if kind.name == "int" and not -(2**63) <= leaf < 2**63:
+            raise OverflowError(
+                f"{caller}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
+            )
+        data = kind.data(leaf)
+        if not allow_global and isinstance(data, jax.Array) and not data.is_fully_addressable:
+            raise ValueError(
+                f"{caller}: leaf '{name}' is a jax.Array spread over several processes (not "
+                "fully addressable), so no single process can write it. In a multi-process "
+                "job use save_checkpoint_multiprocess, called on every process."
+            )
+        dtype_code(data.dtype, name, caller)
+        if isinstance(data, jax.ShapeDtypeStruct):
+            raise TypeError(f"{caller}: leaf '{name}' is a ShapeDtypeStruct, which holds no data.")
+        tensors.append(
+            Tensor(
+                name,
+                (lambda d=data: np.asarray(d)),
+                np.dtype(data.dtype),
+                tuple(int(s) for s in data.shape),
+                data,
+            )
+        )
+        entry: dict[str, Any] = {"tensor": name, "kind": kind.name}
+        if kind.name == "prng_key":
+            entry["impl"] = str(jax.random.key_impl(leaf))
+        return entry
+
+    def visit(node: Any, keys: tuple[Any, ...]) -> Any:
+        if len(keys) > MAX_DEPTH:
+            raise ValueError(
+                f"{caller}: the tree is nested more than {MAX_DEPTH} levels deep at "
+                f"'{path_to_name(keys)}'."
+            )
+        if node is None:
+            return None
+        if isinstance(node, np.ma.MaskedArray) or (
+            isinstance(node, numbers.Number) and not isinstance(node, np.generic | int | float)
+        ):
+            raise TypeError(
+                f"{caller}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
+                "be saved faithfully (complex, Decimal, Fraction and masked arrays are refused "
+                "rather than dropped); convert it to an array of a supported dtype."
+            )
+        kind = kind_of(node)
+        if kind is not None:
+            return add_tensor(keys, kind, node)
+        if isinstance(node, str):
+            return {"str": node}
+        pairs = _children(node)
+        if pairs is None:
+            return {"skipped": type(node).__qualname__}
+        if isinstance(node, dict):
+            entries = []
+            for key, child in pairs:
+                raw = key.key
+                if not isinstance(raw, str | int) or isinstance(raw, bool):
+                    raise TypeError(
+                        f"{caller}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
+                        f"{type(raw).__name__}; only str and int keys can be saved."
+                    )
+                entries.append(
+                    [
+                        str.__str__(raw) if isinstance(raw, str) else int(raw),
+                        visit(child, (*keys, key)),
+                    ]
+                )
+            return {"dict": entries}
+        if type(node) in (list, tuple):
+            return {type(node).__name__: [visit(child, (*keys, key)) for key, child in pairs]}
+        # Any other pytree node (Equinox module, namedtuple, dataclass): named children.
+        return {
+            "node": type(node).__qualname__,
+            "children": [[path_to_name((k,)), visit(c, (*keys, k))] for k, c in pairs],
+        }
+
+    return visit(tree, ()), tensors
+
+
+def parse_description(text: str, arrays: Arrays, bad: Callable[[str], Exception]) -> Any:
+    """The tree description `text` read from a checkpoint whose tensors are `arrays`:
+    parsed, and validated against those tensors (`validate_description`)."""
+    description = parse_json(text, "the tree description", bad)
+    validate_description(description, arrays, bad)
+    return description
+
+
+def validate_description(description: Any, arrays: Arrays, bad: Callable[[str], Exception]) -> None:
+    """Checks that a description read from a file is well formed and names exactly the
+    checkpoint's tensors (`arrays`), each once, with a dtype/shape its kind can hold.
+    Iterative: a hostile nesting depth cannot overflow the stack."""
+    named: set[str] = set()
+    stack: list[tuple[Any, int]] = [(description, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"the tree description is nested more than {MAX_DEPTH} levels deep")
+        if node is None:
+            continue
+        if not isinstance(node, dict) or len(node) not in (1, 2, 3):
+            raise bad(f"the tree description has an invalid entry {short(node)}")
+        if "tensor" in node:
+            kind_name = node.get("kind", "array")
+            name = node.get("tensor")
+            kind = KIND_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
+            extra = set(node) - {"tensor", "kind", "impl"}
+            if not isinstance(name, str) or kind is None or extra:
+                raise bad(f"the tree description has an invalid tensor entry {short(node)}")
+            if (kind.name == "prng_key") != isinstance(node.get("impl"), str):
+                raise bad(f"the tree description has an invalid tensor entry {short(node)}")
+            if name not in arrays:
+                raise bad(f"the tree names tensor {short(name)}, which the file lacks")
+            if name in named:
+                raise bad(f"the tree names tensor {short(name)} twice")
+            named.add(name)
+            shape, dtype = arrays[name]
+            if kind.scalar_type is not None or kind.name == "numpy_scalar":
+                wanted = {"bool": "b", "int": "iu", "float": "f"}.get(kind.name, "biuf")
+                if shape != () or (kind.name != "numpy_scalar" and dtype.kind not in wanted):
+                    raise bad(
+                        f"tensor {short(name)} is a {kind.name} leaf but is stored as "
+                        f"{dtype}{list(shape)}"
+                    )
+            continue
+        ((tag, value),) = node.items() if len(node) == 1 else (("node", node),)
+        if tag in ("str", "skipped") and isinstance(value, str):
+            continue
+        if tag in ("list", "tuple") and isinstance(value, list):
+            stack.extend((child, depth + 1) for child in value)
+            continue
+        if tag == "dict" and isinstance(value, list):
+            keys = []
+            for item in value:
+                if not (
+                    isinstance(item, list)
+                    and len(item) == 2
+                    and isinstance(item[0], str | int)
+                    and not isinstance(item[0], bool)
+                ):
+                    raise bad(f"the tree description has an invalid dict item {short(item)}")
+                keys.append(item[0])
+                stack.append((item[1], depth + 1))
+            if len(set(keys)) != len(keys):
+                raise bad("the tree description has a dict with a repeated key")
+            continue
+        if tag == "node" and set(node) == {"node", "children"}:
+            children = node["children"]
+            if isinstance(node["node"], str) and isinstance(children, list):
+                fields = []
+                for item in children:
+                    if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                        raise bad(f"the tree description has an invalid field {short(item)}")
+                    fields.append(item[0])
+                    stack.append((item[1], depth + 1))
+                if len(set(fields)) != len(fields):
+                    raise bad("the tree description has a node with a repeated field")
+                continue
+        raise bad(f"the tree description has an invalid entry {short(node)}")
+    unnamed = set(arrays) - named
+    if unnamed:
+        raise bad(f"the file has tensors the tree does not name: {short(sorted(unnamed)[:5])}")
+
+
+_EMPTY_CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
+
+
+def rebuild(description: Any, load: Callable[[str], np.ndarray]) -> Any:
+    """The pytree a (validated) description stands for, `load(name)` giving each tensor.
+
+    Custom nodes come back as dicts of their children, skipped leaves as None.
+    """
+
+    def visit(d: Any) -> Any:
+        if d is None:
+            return None
+        if "tensor" in d:
+            return KIND_BY_NAME[d.get("kind", "array")].rebuild(load(d["tensor"]), d)
+        if "str" in d:
+            return d["str"]
+        if "skipped" in d:
+            # Files written before empty containers were described recorded them as skipped.
+            empty = _EMPTY_CONTAINERS.get(d["skipped"])
+            return None if empty is None else empty()
+        if "dict" in d:
+            return {key: visit(child) for key, child in d["dict"]}
+        if "list" in d:
+            return [visit(child) for child in d["list"]]
+        if "tuple" in d:
+            return tuple(visit(child) for child in d["tuple"])
+        return {key: visit(child) for key, child in d["children"]}
+
+    return visit(description)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("a JSON object repeats a key")
+    return result
+
+
+def parse_json(raw: bytes | str, what: str, bad: Callable[[str], Exception]) -> Any:
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise bad(f"{what} is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as error:
+        raise bad(f"{what} is not valid JSON ({short(str(error), 120)})") from None

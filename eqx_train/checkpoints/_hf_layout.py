@@ -1,0 +1,179 @@
+"""Reading the Hugging Face sharded safetensors layout (`eqx_train.interop.save_sharded`,
+`huggingface_hub`, `transformers`) as one checkpoint reader.
+
+Layout of a directory (names in `_names`):
+
+    model.safetensors                         everything, when it fits in one shard; or
+    model-00001-of-00003.safetensors ...      the shards, plain safetensors files, and
+    model.safetensors.index.json              {"metadata": {"total_size": bytes},
+                                               "weight_map": {tensor name: shard file}}
+
+The index of a save of ours also holds the tree description (with its checksum) and a save
+token that every shard of the save repeats: a shard of another save (a save killed while
+replacing same-named shards) is refused instead of mixing two models.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._description import parse_json
+from ._errors import CheckpointFormatError, invalid, short
+from ._format import FileReader, ReaderBase, text_digest
+from ._names import HF_INDEX_NAME, HF_SAVE_KEY, HF_SINGLE_NAME, HF_TREE_CHECKSUM_KEY, TREE_KEY
+from ._storage import LocalSource
+
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def is_plain_file_name(name: Any) -> bool:
+    """A name that can only mean a file directly inside the directory."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep, "\0"))
+        and not os.path.isabs(name)
+    )
+
+
+class IndexReader(ReaderBase):
+    """A sharded Hugging Face directory as one checkpoint reader (a `_restore.Reader`), so
+    that `restore_checkpoint`'s matching code serves it unchanged.
+
+    The whole index is validated and every shard's header read and checked against it
+    before anything is trusted; tensor data is then read only from the shards that hold
+    the tensors asked for.
+    """
+
+    def __init__(self, directory: str):
+        self.path = directory
+        self.index_path = os.path.join(directory, HF_INDEX_NAME)
+        self._files: dict[str, FileReader] = {}
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def bad(self, why: str) -> CheckpointFormatError:
+        return invalid(self.index_path, "index")(why)
+
+    def _load(self) -> None:
+        # The checkpoint reader's own source: no blocking open, regular files only.
+        source = LocalSource(self.index_path, self.bad)
+        try:
+            if source.size > _MAX_INDEX_BYTES:
+                raise self.bad(
+                    f"it has {source.size} bytes, more than the {_MAX_INDEX_BYTES} allowed"
+                )
+            raw = bytearray(source.size)
+            source.read_into(memoryview(raw), 0)
+        finally:
+            source.close()
+        index = parse_json(bytes(raw), "the index", self.bad)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise self.bad("it is not a JSON object with a 'weight_map' object")
+        metadata = index.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise self.bad("its 'metadata' is not a JSON object")
+        weight_map: dict[str, Any] = index["weight_map"]
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if not is_plain_file_name(file):
+                raise self.bad(
+                    f"tensor {short(name)} is mapped to {short(file)}, which is "
+                    "not a plain file name in the directory"
+                )
+            by_file.setdefault(file, []).append(name)
+        # Only the string entries are ours (total_size is a number; others are foreign).
+        self.metadata: dict[str, str] = {k: v for k, v in metadata.items() if isinstance(v, str)}
+        self.total_size = metadata.get("total_size")
+        token = self.metadata.get(HF_SAVE_KEY)
+        shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self._where: dict[str, str] = {}
+        for file, names in by_file.items():
+            path = os.path.join(self.path, file)
+            try:
+                reader = FileReader(path)
+            except FileNotFoundError:
+                raise self.bad(f"it maps tensors to {file}, which is missing") from None
+            self._files[file] = reader
+            for name in names:
+                if name not in reader.tensors:
+                    raise self.bad(f"it maps tensor {short(name)} to {file}, which lacks it")
+            unlisted = sorted(set(reader.tensors) - set(names))
+            if unlisted:
+                raise self.bad(
+                    f"{file} holds tensors the index does not map to it: {short(unlisted[:5])}"
+                )
+            if token is not None and reader.metadata.get(HF_SAVE_KEY) != token:
+                raise self.bad(
+                    f"{file} belongs to another save than the index (a save was interrupted "
+                    "while replacing it); save again"
+                )
+        for name, file in weight_map.items():
+            info = self._files[file].tensors[name]
+            shapes[name] = (info.shape, info.dtype)
+            self._where[name] = file
+        self._shapes = shapes
+
+    def close(self) -> None:
+        for reader in self._files.values():
+            reader.close()
+
+    def files(self) -> dict[str, FileReader]:
+        """The open shard readers, by path, in the index's order."""
+        return {os.path.join(self.path, name): reader for name, reader in self._files.items()}
+
+    def check_unchanged(self) -> None:
+        """Local files, each read through one descriptor: they cannot change."""
+        for reader in self._files.values():
+            reader.check_unchanged()
+
+    def tree_text(self) -> str:
+        text = self.metadata[TREE_KEY]
+        if self.metadata.get(HF_TREE_CHECKSUM_KEY) != text_digest(text):
+            raise self.bad("its tree description fails its checksum")
+        return text
+
+    def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return self._shapes
+
+    def read(
+        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        return self._files[self._where[name]].read(name, index, verify=verify)
+
+    def read_many(
+        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+    ) -> dict[str, np.ndarray]:
+        grouped: dict[str, list[str]] = {}
+        for name in names:
+            grouped.setdefault(self._where[name], []).append(name)
+        found: dict[str, np.ndarray] = {}
+        for file, group in grouped.items():
+            found.update(self._files[file].read_many(group, verify=verify, parallel=parallel))
+        return {name: found[name] for name in names}
+
+
+def open_layout(directory: str) -> FileReader | IndexReader:
+    """The reader for a Hugging Face directory: `model.safetensors` when present (as
+    `transformers` prefers it), else the index and its shards."""
+    single = os.path.join(directory, HF_SINGLE_NAME)
+    if os.path.isfile(single):
+        return FileReader(single)
+    if os.path.lexists(os.path.join(directory, HF_INDEX_NAME)):
+        return IndexReader(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory} is not a directory")
+    raise FileNotFoundError(f"{directory} holds neither {HF_SINGLE_NAME} nor {HF_INDEX_NAME}")
+
+
+def is_layout(directory: str) -> bool:
+    return os.path.isdir(directory) and any(
+        os.path.lexists(os.path.join(directory, n)) for n in (HF_SINGLE_NAME, HF_INDEX_NAME)
+    )

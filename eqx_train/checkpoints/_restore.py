@@ -1,0 +1,409 @@
+"""Restoring: the `Reader` every layout implements, opening any layout, and matching what a
+checkpoint holds against a target pytree.
+
+A restore goes `_storage.resolve` (where) -> `_resolve` (which checkpoint: the path itself,
+or the latest / the step asked for in a directory listing, as an `Entry` that knows its
+layout) -> `open_reader` (the one place that picks a reader: `_format.FileReader`,
+`_shards.ShardedReader` or `_hf_layout.IndexReader`) -> `restore_from` (match the target,
+read only the tensors it needs, rebuild).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import closing
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jax = LazyModule("jax")
+    jtu = LazyModule("jax.tree_util")
+
+from .._tree import path_to_name
+from . import _directory, _names
+from ._description import LeafKind, kind_of, rebuild
+from ._errors import CheckpointFormatError, invalid, short
+from ._format import FileReader
+from ._hf_layout import is_layout, open_layout
+from ._shards import ShardedReader
+from ._storage import Storage
+from ._transfer import DEFAULT_HOST_WINDOW_BYTES, HostWindow, windowed_reads
+
+T = TypeVar("T")
+_MAX_LISTED_PROBLEMS = 20
+_RESTORE_ATTEMPTS = 5
+
+Layout = Literal["file", "shards", "hf", "directory"]
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """One checkpoint, whatever its layout, as the matcher and the command line see it:
+    implemented by `FileReader` (one file), `ShardedReader` (a `.shards` directory) and
+    `IndexReader` (a Hugging Face directory). Use as a context manager."""
+
+    path: str
+    metadata: dict[str, str]  # the file's (or index's) `__metadata__`
+
+    @property
+    def has_description(self) -> bool:
+        """False for a checkpoint written by another tool (no tree description)."""
+        ...
+
+    def description(self) -> Any:
+        """The tree description, validated against `arrays()` (parsed on the first call)."""
+        ...
+
+    def bad(self, why: str) -> CheckpointFormatError:
+        """The error saying this checkpoint is not valid, and why."""
+        ...
+
+    def arrays(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
+        """Every tensor: name -> (shape, dtype)."""
+        ...
+
+    def read(
+        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        """Tensor `name`, or its block `index`."""
+        ...
+
+    def read_many(
+        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+    ) -> dict[str, np.ndarray]:
+        """Whole tensors, by name."""
+        ...
+
+    def files(self) -> dict[str, FileReader]:
+        """Every file holding tensor data, opened, by path."""
+        ...
+
+    def check_unchanged(self) -> None:
+        """Raises `ObjectReplacedError` if a file read was replaced since it was opened."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class Location(NamedTuple):
+    """A path and what it holds (a directory listing's `Entry` says the same of a listed
+    checkpoint)."""
+
+    path: str
+    layout: Layout
+
+    @classmethod
+    def listed(cls, path: str) -> Location:
+        """A checkpoint a listing found: its name says its layout."""
+        sharded = path.rstrip("/" + os.sep).endswith(_names.SHARDED_SUFFIX)
+        return cls(path, "shards" if sharded else "file")
+
+
+def locate(store: Storage, path: str, *, hf: bool = False) -> Location | None:
+    """What `path` holds: a checkpoint file, a committed `.shards` directory, (with `hf`) a
+    Hugging Face directory, or else any other directory (of checkpoints, say); None if
+    nothing is there. Each question is asked once (on an object store, one request)."""
+    if store.is_dir(path):
+        if store.is_file(store.join(path, _names.INDEX_NAME)):
+            return Location(path, "shards")
+        if hf and store.is_local and is_layout(path):
+            return Location(path, "hf")
+        return Location(path, "directory")
+    return Location(path, "file") if store.exists(path) else None
+
+
+def open_reader(store: Storage, entry: _directory.Entry | Location) -> Reader:
+    """The reader of the checkpoint `entry` (from a listing, or `locate`), by its layout."""
+    if entry.layout == "shards":
+        return ShardedReader(store, entry.path)
+    if entry.layout == "file":
+        return FileReader(entry.path, store.open(entry.path))
+    if entry.layout == "hf" and store.is_local:
+        return open_layout(entry.path)
+    raise ValueError(f"{entry.path} is not a checkpoint (it holds a {entry.layout} layout)")
+
+
+def _resolve(
+    store: Storage, ckpt_dir: str, step: Any, prefix: str
+) -> tuple[_directory.Entry | Location | None, bool]:
+    """(the checkpoint to restore or None, whether it was chosen from a directory listing)."""
+    found = locate(store, ckpt_dir)
+    if found is None:
+        return None, False
+    if found.layout != "directory":
+        if step is not None:
+            raise ValueError(
+                f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a checkpoint, "
+                "not a directory of checkpoints; pass the directory to choose a step."
+            )
+        return found, False
+    if ckpt_dir.rstrip("/" + os.sep).endswith(_names.SHARDED_SUFFIX):
+        raise invalid(ckpt_dir)(f"it has no {_names.INDEX_NAME}, so its save never committed")
+    listing = _directory.list_checkpoints(store, ckpt_dir, prefix)
+    if step is None:
+        return _directory.latest(listing), True
+    found_step = _directory.find_step(listing, _names.check_step(step, "restore_checkpoint"))
+    if found_step is not None:
+        return found_step, True
+    available = list({e.value: e.text for e in listing}.values())
+    raise ValueError(
+        f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
+        f"{ckpt_dir}; available steps: {available}."
+    )
+
+
+def restore(
+    store: Storage,
+    where: str,
+    target: T,
+    step: Any,
+    prefix: str,
+    *,
+    strict: bool,
+    parallel: bool,
+    verify: bool,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+) -> T:
+    """`restore_checkpoint` once its location is resolved: pick the checkpoint, open it,
+    match it; again (up to 5 times) when a concurrent save replaced what was being read."""
+    named_gone: FileNotFoundError | None = None
+    for attempt in range(_RESTORE_ATTEMPTS):
+        entry, listed = _resolve(store, where, step, prefix)
+        if entry is None:
+            if named_gone is not None:
+                raise named_gone  # the checkpoint named was there, and went
+            return target
+        try:
+            with open_reader(store, entry) as reader:
+                return _restore_one(
+                    reader,
+                    target,
+                    strict=strict,
+                    parallel=parallel,
+                    verify=verify,
+                    host_window_bytes=host_window_bytes,
+                )
+        except FileNotFoundError as error:
+            # A concurrent save replaced or removed what we were reading (an overwrite of
+            # the step, or retention after a newer save): look again.
+            if attempt + 1 == _RESTORE_ATTEMPTS:
+                raise
+            named_gone = None if listed else error
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:
+    """`restore_from`, then proof that no file read changed meanwhile (object stores): a
+    checksum failure or a silently mixed read becomes `ObjectReplacedError`, and a retry."""
+    try:
+        restored = restore_from(reader, target, **options)
+    except CheckpointFormatError:
+        reader.check_unchanged()
+        raise
+    reader.check_unchanged()
+    return restored
+
+
+def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A foreign safetensors file (no tree description): nested dicts split on '.'."""
+    nested: dict[str, Any] = {}
+    for name, array in flat.items():
+        node = nested
+        *parents, last = name.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                return dict(flat)
+            node = child
+        if last in node:
+            return dict(flat)
+        node[last] = array
+    return nested
+
+
+def _describe(shape: Any, dtype: Any) -> str:
+    return f"{tuple(shape)} {np.dtype(dtype)}"
+
+
+def _expected(kind: LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | None]:
+    """What a target leaf needs from the file: its shape, and its dtype (None: a Python
+    scalar, which takes any dtype whose value converts exactly)."""
+    if kind.scalar_type is not None:
+        return (), None
+    data = kind.data(leaf)
+    return tuple(data.shape), np.dtype(data.dtype)
+
+
+def _fail(path: str, problems: list[str], strict: bool, caller: str) -> None:
+    listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
+    more = len(problems) - _MAX_LISTED_PROBLEMS
+    listed += f"\n  ... and {more} more" if more > 0 else ""
+    raise ValueError(
+        f"{caller}: {path} does not match the target:\n  {listed}\n"
+        "Pass target=None to load the file as saved"
+        + (", or strict=False to restore only the leaves present in both." if strict else ".")
+    )
+
+
+def restore_from(
+    reader: Reader,
+    target: Any,
+    *,
+    strict: bool,
+    parallel: bool,
+    verify: bool,
+    caller: str = "restore_checkpoint",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+) -> Any:
+    """The matcher: `target` filled from `reader` (or, for `target=None`, the tree as saved).
+
+    Every array leaf of `target` is matched by key path against the checkpoint's tensors
+    (shape, dtype, PRNG key implementation; with `strict`, nothing missing or extra), every
+    problem listed in one `ValueError`, before any tensor data is read. Then only the
+    tensors needed are read: whole, a window of `host_window_bytes` at a time (the next
+    leaves read and verified while earlier ones are placed on their devices), or device
+    block by device block for a sharded target (`_blockwise`). `caller` names the public
+    function in errors.
+    """
+    if target is None:
+        if not reader.has_description:
+            return _unflatten_names(reader.read_many(list(reader.arrays()), verify=verify))
+        description = reader.description()
+        arrays = reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
+        try:
+            return rebuild(description, arrays.__getitem__)
+        except CheckpointFormatError:
+            raise
+        except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown PRNG impl
+            raise reader.bad(f"its tree cannot be rebuilt ({short(str(error), 160)})") from None
+
+    available = reader.arrays()
+    saved_keys = _saved_key_impls(reader)
+    pairs, treedef = jtu.tree_flatten_with_path(target)
+    leaves = [leaf for _, leaf in pairs]
+    slots: list[tuple[int, str, LeafKind]] = []
+    problems: list[str] = []
+    mismatched: list[str] = []
+    used: set[str] = set()
+    for index, (key_path, leaf) in enumerate(pairs):
+        kind = kind_of(leaf)
+        if kind is None:
+            continue  # not data: kept from the target
+        name = path_to_name(key_path)
+        shape, dtype = _expected(kind, leaf)
+        expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
+        if name not in available:
+            if strict:
+                problems.append(f"'{name}': missing from the file, target expects {expectation}")
+            continue
+        used.add(name)
+        file_shape, file_dtype = available[name]
+        numeric = file_dtype.kind in "biuf"
+        if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
+            mismatched.append(name)
+            problems.append(
+                f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
+                f"{expectation}"
+            )
+            continue
+        if kind.name == "prng_key" and saved_keys.get(name, str(jax.random.key_impl(leaf))) != str(
+            jax.random.key_impl(leaf)
+        ):
+            problems.append(
+                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects "
+                f"{jax.random.key_impl(leaf)}"
+            )
+            continue
+        slots.append((index, name, kind))
+    if strict:
+        for name, (shape, dtype) in available.items():
+            if name not in used:
+                problems.append(
+                    f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
+                )
+    if problems:
+        # A file whose header was corrupted can look like a mismatch: its checksums say which.
+        for name in mismatched:
+            reader.read(name, verify=True)
+        _fail(reader.path, problems, strict, caller)
+
+    whole = {
+        name: (index, kind)
+        for index, name, kind in slots
+        if not _blockwise(reader, leaves[index], kind)
+    }
+    reads = windowed_reads(
+        list(whole),
+        lambda name: math.prod(available[name][0]) * available[name][1].itemsize,
+        lambda group: reader.read_many(group, verify=verify, parallel=parallel),
+        HostWindow(host_window_bytes),
+    )
+    with closing(reads):
+        for name, array in reads:
+            index, kind = whole[name]
+            try:
+                leaves[index] = kind.fill(leaves[index], array)
+            except ValueError as error:
+                problems.append(f"'{name}': {error}")
+                continue
+            # On the device before its host bytes count as released (an accelerator copies
+            # them asynchronously; a CPU device adopts them).
+            if isinstance(leaves[index], jax.Array):
+                leaves[index].block_until_ready()
+    for index, name, _ in slots:
+        if name not in whole:
+            leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
+    if problems:
+        _fail(reader.path, problems, strict, caller)
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _saved_key_impls(reader: Reader) -> dict[str, str]:
+    """The implementation of every typed PRNG key the file's tree records, by tensor name."""
+    if not reader.has_description:
+        return {}
+    found: dict[str, str] = {}
+    stack = [reader.description()]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("kind") == "prng_key":
+                found[node["tensor"]] = node["impl"]
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:
+    """Read device by device (each device's block only) rather than whole: for an array
+    target whose sharding spans processes, or any sharded target of a `.shards` layout."""
+    sharding = getattr(leaf, "sharding", None)
+    if kind.name != "array" or sharding is None or isinstance(leaf, np.ndarray):
+        return False
+    return isinstance(reader, ShardedReader) or not sharding.is_fully_addressable
+
+
+def _read_blockwise(reader: Reader, name: str, leaf: Any, verify: bool) -> jax.Array:
+    shape, sharding = tuple(leaf.shape), leaf.sharding
+    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
+    blocks = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+        if bounds not in read:
+            read[bounds] = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
+        blocks.append(jax.device_put(read[bounds], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, blocks)

@@ -1,0 +1,71 @@
+"""The checkpoint engine as eqx_train's own interop layer and command line use it.
+
+Not public API (it is not documented and may change in any release): the names here are
+what `eqx_train.interop` and `eqx-train` need from the checkpoint code, exported in one
+place so that they never reach into a private module. Users want `eqx_train.checkpoints`.
+
+Importing this module does not import JAX (the command line starts without it).
+"""
+
+from ._description import (
+    MAX_DEPTH as MAX_DEPTH,
+    Tensor as Tensor,
+    describe as describe,
+    is_prng_key as is_prng_key,
+)
+from ._directory import (
+    Entry as Entry,
+    list_checkpoints as list_checkpoints,
+    remove_paths as remove_paths,
+)
+from ._errors import (
+    CheckpointFormatError as CheckpointFormatError,
+    invalid as invalid,
+    short as short,
+)
+from ._format import (
+    MAX_NDIM as MAX_NDIM,
+    FileReader as FileReader,
+    aligned_empty as aligned_empty,
+    check_header_size as check_header_size,
+    text_digest as text_digest,
+    too_big as too_big,
+    write_all as write_all,
+    write_file as write_file,
+)
+from ._hf_layout import IndexReader as IndexReader
+from ._names import (
+    FORMAT_KEY as FORMAT_KEY,
+    FORMAT_NAME as FORMAT_NAME,
+    FORMAT_VERSION as FORMAT_VERSION,
+    FORMAT_VERSION_KEY as FORMAT_VERSION_KEY,
+    HF_FORMAT_KEY as HF_FORMAT_KEY,
+    HF_FORMAT_PT as HF_FORMAT_PT,
+    HF_INDEX_FORMAT as HF_INDEX_FORMAT,
+    HF_INDEX_NAME as HF_INDEX_NAME,
+    HF_SAVE_KEY as HF_SAVE_KEY,
+    HF_SHARD_PATTERN as HF_SHARD_PATTERN,
+    HF_SINGLE_NAME as HF_SINGLE_NAME,
+    HF_TREE_CHECKSUM_KEY as HF_TREE_CHECKSUM_KEY,
+    METRICS_KEY as METRICS_KEY,
+    OUR_KEY_PREFIX as OUR_KEY_PREFIX,
+    STEP_KEY as STEP_KEY,
+    TREE_KEY as TREE_KEY,
+    USER_METADATA_KEY as USER_METADATA_KEY,
+    hf_shard_names as hf_shard_names,
+    parse_temp as parse_temp,
+    step_from_text as step_from_text,
+    writer_is_dead as writer_is_dead,
+)
+from ._restore import (
+    Location as Location,
+    Reader as Reader,
+    locate as locate,
+    open_reader as open_reader,
+    restore_from as restore_from,
+)
+from ._storage import (
+    LocalSource as LocalSource,
+    LocalStorage as LocalStorage,
+    fsync_dir as fsync_dir,
+)
