@@ -21,12 +21,33 @@ import numpy as np
 
 from .checkpoints import engine
 from .checkpoints.engine import CheckpointFormatError, FileReader, IndexReader, short
+from .interop import engine as interop
 
 _LOCAL = engine.LocalStorage()
 
 
 class CommandError(Exception):
     """A failure to report as one line on stderr, exit status 1."""
+
+
+class ForeignCheckpoint(CommandError):
+    """The path is a checkpoint eqx_train reads through a converter (an Orbax directory, flax
+    msgpack files), not one of its own: `inspect` shows it, other commands say how to read
+    it."""
+
+    def __init__(self, path: str, kind: str, what: str):
+        self.path, self.kind, self.what = path, kind, what
+        if kind == "orbax":
+            how = (
+                f"read it with `eqx-train convert-orbax {path} DST` or "
+                "eqx_train.interop.load_orbax_checkpoint"
+            )
+        else:
+            how = (
+                f"convert it with `eqx-train convert-flax {path} DST` or read it with "
+                "eqx_train.interop.load_flax_checkpoint"
+            )
+        super().__init__(f"{path} is {what}, not an eqx_train checkpoint; {how}")
 
 
 def _size(nbytes: int) -> str:
@@ -51,7 +72,13 @@ def _open(path: str, prefix: str) -> tuple[str, Any]:
     if found is None:
         raise CommandError(f"{path}: no such file or directory")
     if found.layout != "directory":
-        reader = engine.open_reader(_LOCAL, found)
+        try:
+            reader = engine.open_reader(_LOCAL, found)
+        except CheckpointFormatError:
+            # A safetensors header can start with any byte: ask only once it failed.
+            if found.layout == "file" and interop.looks_like_flax(path):
+                raise ForeignCheckpoint(path, "flax", "a flax msgpack checkpoint") from None
+            raise
         if found.layout == "file":
             return "single file", reader
         if found.layout == "shards":
@@ -60,11 +87,26 @@ def _open(path: str, prefix: str) -> tuple[str, Any]:
         return f"Hugging Face layout, {count}", reader
     listing = engine.list_checkpoints(_LOCAL, path, prefix)
     if not listing:
+        _refuse_foreign_directory(path, prefix)
         raise CommandError(
             f"{path}: a directory with no checkpoint in it (no {prefix}<step>.safetensors, "
             f"{prefix}<step>.shards, {engine.HF_SINGLE_NAME} or {engine.HF_INDEX_NAME})"
         )
     return "directory", listing
+
+
+def _refuse_foreign_directory(path: str, prefix: str) -> None:
+    """Raises `ForeignCheckpoint` for an Orbax directory or a directory of flax files."""
+    what = interop.describe_orbax(path)
+    if what is not None:
+        raise ForeignCheckpoint(path, "orbax", what)
+    try:
+        flax_files = _flax_steps(path, prefix)
+    except CommandError:
+        return
+    raise ForeignCheckpoint(
+        path, "flax", f"a directory of {len(flax_files)} flax msgpack checkpoints"
+    )
 
 
 def _open_one(path: str, prefix: str) -> tuple[str, Any]:
@@ -109,8 +151,57 @@ def _metadata_lines(metadata: dict[str, str]) -> list[str]:
     return lines
 
 
+def _inspect_orbax(path: str, what: str) -> None:
+    print(f"{path}: {what}")
+    kind, names = interop.orbax_layout(path)
+    if kind == "run":
+        for directory in names:
+            print(f"  {os.path.basename(directory)}")
+        path = names[-1]
+        kind, names = interop.orbax_layout(path)
+        print(f"latest: {path}, {interop.describe_orbax(path)}")
+    shown = [(None, path)] if kind == "checkpoint" else [(n, os.path.join(path, n)) for n in names]
+    for item, directory in shown:
+        try:
+            reader = interop.OrbaxReader(directory)
+        except ImportError as error:
+            print(f"(its arrays are listed once tensorstore is installed: {error})")
+            return
+        with reader:
+            arrays = dict(reader.arrays())
+        total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
+        label = "" if item is None else f"item {item}: "
+        print(f"{label}{len(arrays)} arrays, {_size(total)}")
+        for line in _tree_lines(arrays):
+            print(line)
+
+
+def _inspect_foreign(error: ForeignCheckpoint, prefix: str) -> None:
+    path = error.path
+    if error.kind == "orbax":
+        _inspect_orbax(path, error.what)
+        print(f"read it with: eqx-train convert-orbax {path} DST (or load_orbax_checkpoint)")
+        return
+    if os.path.isdir(path):
+        print(f"{path}: {error.what} (prefix '{prefix}')")
+        for file, step in _flax_steps(path, prefix):
+            print(f"  step {step:<10} {os.path.basename(file)}")
+    else:
+        arrays = interop.flax_arrays(path)
+        total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
+        print(f"{path}: flax msgpack checkpoint, {len(arrays)} tensors, {_size(total)}")
+        print("tensors:")
+        for line in _tree_lines(arrays):
+            print(line)
+    print(f"convert it with: eqx-train convert-flax {path} DST (or load_flax_checkpoint)")
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    kind, reader = _open(args.path, args.prefix)
+    try:
+        kind, reader = _open(args.path, args.prefix)
+    except ForeignCheckpoint as foreign:
+        _inspect_foreign(foreign, args.prefix)
+        return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
         for entry in reader:
@@ -175,25 +266,41 @@ def _verify(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ diff
 
 
-def _difference(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
-    """(number of differing elements, max |a - b|). Floats compare by their bits (-0.0
-    differs from 0.0), except that NaN equals NaN."""
-    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+def _difference(
+    a: np.ndarray, b: np.ndarray, atol: float = 0.0, rtol: float = 0.0
+) -> tuple[int, float]:
+    """(number of differing elements, max |a - b| among them).
+
+    Without a tolerance, floats compare by their bits (-0.0 differs from 0.0), except that
+    NaN equals NaN. With `atol`/`rtol`, a float (or complex) element differs only when
+    `|a - b| > atol + rtol * |b|`, as `numpy.isclose` (NaN still equals NaN; an infinity
+    equals only itself). Integers and booleans always compare exactly."""
+    wide = np.complex128 if a.dtype.kind == "c" else np.float64
+    wide_a, wide_b = a.astype(wide), b.astype(wide)
     if a.dtype.kind in "biu":
         differs = a != b
     else:
         both_nan = np.isnan(wide_a) & np.isnan(wide_b)
-        bits_a = a.reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
-        bits_b = b.reshape(-1).view(np.uint8).reshape(b.size, b.dtype.itemsize)
-        differs = (bits_a != bits_b).any(axis=1).reshape(a.shape) & ~both_nan
+        if atol or rtol:
+            with np.errstate(invalid="ignore"):  # inf - inf
+                close = np.abs(wide_a - wide_b) <= atol + rtol * np.abs(wide_b)
+            differs = ~(close | (wide_a == wide_b) | both_nan)
+        else:
+            bits_a = a.reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
+            bits_b = b.reshape(-1).view(np.uint8).reshape(b.size, b.dtype.itemsize)
+            differs = (bits_a != bits_b).any(axis=1).reshape(a.shape) & ~both_nan
     count = int(np.count_nonzero(differs))
     if not count:
         return 0, 0.0
-    gap = np.abs(wide_a[differs] - wide_b[differs])
+    with np.errstate(invalid="ignore"):
+        gap = np.abs(wide_a[differs] - wide_b[differs])
     return count, math.nan if np.isnan(gap).all() else float(np.nanmax(gap))
 
 
 def _diff(args: argparse.Namespace) -> int:
+    tolerant = bool(args.atol or args.rtol)
+    limits = f"atol={args.atol:g}, rtol={args.rtol:g}"
+    beyond = f" beyond {limits}" if tolerant else ""
     _, a = _open_one(args.a, args.prefix)
     with a:
         _, b = _open_one(args.b, args.prefix)
@@ -215,18 +322,24 @@ def _diff(args: argparse.Namespace) -> int:
                     lines.append(f"differs: {name} A {_spec(shape, dtype)}, B {_spec(*other)}")
                     continue
                 va, vb = a.read(name), b.read(name)
-                count, gap = _difference(va, vb)
+                count, gap = _difference(va, vb, args.atol, args.rtol)
                 if count:
                     lines.append(
-                        f"differs: {name} {_spec(shape, dtype)}: {count} of {va.size} elements, "
-                        f"max abs diff {gap:.6g}"
+                        f"differs: {name} {_spec(shape, dtype)}: {count} of {va.size} elements"
+                        f"{beyond}, max abs diff {gap:.6g}"
                     )
                 else:
                     same += 1
     for line in lines:
         print(line)
     total = len(set(arrays_a) | set(arrays_b))
-    print(f"{same} of {total} tensors identical" + ("" if lines else "; A and B are identical"))
+    if tolerant:
+        print(
+            f"{same} of {total} tensors equal within {limits}"
+            + ("" if lines else "; A and B match")
+        )
+    else:
+        print(f"{same} of {total} tensors identical" + ("" if lines else "; A and B are identical"))
     return 1 if lines else 0
 
 
@@ -247,6 +360,9 @@ def _flax_steps(src: str, prefix: str) -> list[tuple[str, int | float]]:
         if match and os.path.isfile(os.path.join(src, entry)):
             found.append((os.path.join(src, entry), engine.step_from_text(match[1])))
     if not found:
+        what = interop.describe_orbax(src)
+        if what is not None:
+            raise ForeignCheckpoint(src, "orbax", what)
         raise CommandError(f"{src}: no flax checkpoint ({prefix}<step> file) in this directory")
     found.sort(key=lambda item: item[1])
     for (first, step), (second, other) in zip(found, found[1:], strict=False):
@@ -273,11 +389,53 @@ def _convert_flax(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ convert-orbax
+
+
+def _convert_orbax(args: argparse.Namespace) -> int:
+    from .checkpoints import available_steps, save_checkpoint
+    from .interop import load_orbax_checkpoint
+
+    if not os.path.lexists(args.src):
+        raise CommandError(f"{args.src}: no such file or directory")
+    found = interop.orbax_steps_to_convert(args.src, args.item)
+    held = (
+        available_steps(args.dst, args.prefix, step_type=float) if os.path.isdir(args.dst) else []
+    )
+    if held and found[0][0] <= held[-1]:
+        # Checkpoints are added in step order: refuse before writing anything.
+        raise CommandError(
+            f"{args.dst} already holds step {held[-1]:g}; the steps to convert "
+            f"({', '.join(str(step) for step, _ in found)}) must all be newer"
+        )
+    for step, directory in found:
+        try:
+            tree = load_orbax_checkpoint(directory)
+            # Retention off: converting must never delete what DST already holds.
+            written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=2**62)
+        except (CheckpointFormatError, ImportError):
+            raise
+        except (OSError, ValueError, TypeError) as error:
+            raise CommandError(f"{directory}: {_one_line(error)}") from error
+        print(f"{directory} -> {written}")
+    return 0
+
+
 # ------------------------------------------------------------------------------ main
 
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -309,6 +467,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = command("diff", "Compare two checkpoints tensor by tensor; exit 1 if they differ.")
     sub.add_argument("a", help="first checkpoint (a directory: its latest)")
     sub.add_argument("b", help="second checkpoint (a directory: its latest)")
+    for name, text in (("atol", "absolute"), ("rtol", "relative, times |B|")):
+        sub.add_argument(
+            f"--{name}",
+            type=_tolerance,
+            default=0.0,
+            help=f"{text} tolerance for float and complex tensors: elements with "
+            "|A - B| <= atol + rtol * |B| count as equal (default 0: compare bits); "
+            "integers and booleans always compare exactly",
+        )
     sub.set_defaults(run=_diff)
     sub = command(
         "convert-flax",
@@ -318,6 +485,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("src", help="a flax checkpoint file or directory")
     sub.add_argument("dst", help="the eqx_train checkpoint directory to write")
     sub.set_defaults(run=_convert_flax)
+    sub = command(
+        "convert-orbax",
+        "Convert Orbax checkpoints (flax's default checkpoint_<step>/ directories, orbax "
+        "CheckpointManager steps, or a directory of them: every step) to eqx_train "
+        "checkpoints in DST, keeping their steps; nothing in DST is deleted.",
+    )
+    sub.add_argument("src", help="an Orbax checkpoint, CheckpointManager step, or run directory")
+    sub.add_argument("dst", help="the eqx_train checkpoint directory to write")
+    sub.add_argument(
+        "--item", help="the CheckpointManager item to convert (when there are several)"
+    )
+    sub.set_defaults(run=_convert_orbax)
     return parser
 
 
@@ -326,7 +505,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (CommandError, OSError, ValueError, TypeError, NotImplementedError) as error:
+    except (
+        CommandError,
+        OSError,
+        ValueError,
+        TypeError,
+        NotImplementedError,
+        ImportError,
+    ) as error:
         print(f"eqx-train {args.command}: {_one_line(error)}", file=sys.stderr)
         return 1
 

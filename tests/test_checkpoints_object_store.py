@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from eqx_train import TrainState, checkpoints
-from eqx_train.checkpoints import _format, _names, _storage
+from eqx_train.checkpoints import _format, _locations, _names, _object_storage
 from tests.helpers import assert_trees_equal
 
 
@@ -120,7 +120,7 @@ def test_shards_layout_commits_by_its_index(location):
     assert path == f"{url}/checkpoint_2.shards"
     assert_trees_equal(checkpoints.restore_checkpoint(url, tree, storage_options=options), tree)
     # Pieces without an index are an uncommitted save: never listed, never restored.
-    store, _ = _storage.resolve(url, options, caller="test")
+    store, _ = _locations.resolve(url, options, caller="test")
     store.atomic_write(
         f"{url}/checkpoint_9.shards/process_00000.00000000-1-0000000000000000.safetensors",
         lambda out: _format.write_file(out, [], {}),
@@ -134,13 +134,13 @@ def test_restoring_one_leaf_reads_only_its_bytes(location, monkeypatch):
     tree = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(8)}
     checkpoints.save_checkpoint(url, tree, 1, storage_options=options)
     requested = []
-    real = _storage._ObjectSource.read_ranges
+    real = _object_storage._ObjectSource.read_ranges
 
     def counting(self, jobs):
         requested.extend(len(view) for view, _ in jobs)
         return real(self, jobs)
 
-    monkeypatch.setattr(_storage._ObjectSource, "read_ranges", counting)
+    monkeypatch.setattr(_object_storage._ObjectSource, "read_ranges", counting)
     out = checkpoints.restore_checkpoint(
         url, {"w5": np.zeros((256, 256), np.float32)}, strict=False, storage_options=options
     )
@@ -163,7 +163,7 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_and_no_object(location, 
     with pytest.raises(OSError, match="network went away"):
         checkpoints.save_checkpoint(url, {"x": np.ones(4)}, 2, storage_options=options)
     monkeypatch.setattr(_format, "write_file", real_write)
-    store, _ = _storage.resolve(url, options, caller="test")
+    store, _ = _locations.resolve(url, options, caller="test")
     assert [i.name for i in store.list(url)] == ["checkpoint_1.safetensors"]
     assert checkpoints.available_steps(url, storage_options=options) == [1]
 
@@ -171,7 +171,7 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_and_no_object(location, 
 def test_a_corrupted_object_fails_its_checksum(location):
     url, options = location
     path = checkpoints.save_checkpoint(url, {"x": np.arange(1000.0)}, 1, storage_options=options)
-    store, _ = _storage.resolve(url, options, caller="test")
+    store, _ = _locations.resolve(url, options, caller="test")
     data = bytearray(store.fs.cat_file(store.strip(path)))
     data[-3] ^= 0xFF
     store.fs.pipe_file(store.strip(path), bytes(data))
@@ -231,7 +231,7 @@ def _forget(url):
 def _hook_second_read(monkeypatch, action):
     """Runs `action` once, just before the second byte-range read of any object: after a
     restore has read a header, before it reads the data."""
-    real = _storage._ObjectSource.read_ranges
+    real = _object_storage._ObjectSource.read_ranges
     calls = []
 
     def hooked(self, jobs):
@@ -240,7 +240,7 @@ def _hook_second_read(monkeypatch, action):
             action()
         return real(self, jobs)
 
-    monkeypatch.setattr(_storage._ObjectSource, "read_ranges", hooked)
+    monkeypatch.setattr(_object_storage._ObjectSource, "read_ranges", hooked)
     return calls
 
 
@@ -386,10 +386,10 @@ import json, os, signal, sys
 import numpy as np
 import s3fs.core
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _storage
+from eqx_train.checkpoints import _object_storage
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
-_storage._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
+_object_storage._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
 checkpoints.save_checkpoint(url, {"x": np.zeros(10)}, 1, storage_options=options)
 print("OLD-SAVED PID", os.getpid(), flush=True)
 real_upload = s3fs.core.S3File._upload_chunk
@@ -422,7 +422,7 @@ def test_sigkill_mid_upload_keeps_the_previous_checkpoint_and_the_next_save_clea
     assert (
         out.index("OLD-SAVED") < out.index("KILL-POINT after part 1") and "UNREACHABLE" not in out
     )
-    store, _ = _storage.resolve(url, options, caller="test")
+    store, _ = _locations.resolve(url, options, caller="test")
     bucket = s3_bucket.split("://")[1]
     pending = store.fs.list_multipart_uploads(bucket)
     # Proof that the kill landed mid-upload: a multipart upload of step 2 is open.
@@ -451,10 +451,10 @@ import json, os, sys
 import numpy as np
 import s3fs.core
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _storage
+from eqx_train.checkpoints import _object_storage
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
-_storage._PART_BYTES = 5 << 20
+_object_storage._PART_BYTES = 5 << 20
 real_upload = s3fs.core.S3File._upload_chunk
 
 def upload_then_wait(self, final=False):
@@ -482,7 +482,7 @@ def test_cleanup_never_aborts_the_upload_of_a_live_writer(s3_server, s3_bucket):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=s3_server.env,
     ) as writer:  # fmt: skip
         assert writer.stdout.readline() == "PAUSED after part 1\n"
-        store, _ = _storage.resolve(url, options, caller="test")
+        store, _ = _locations.resolve(url, options, caller="test")
         bucket = s3_bucket.split("://")[1]
         assert len(store.fs.list_multipart_uploads(bucket)) == 1  # mid-upload, for sure
         with checkpoints.CheckpointManager(url, keep_latest=5, storage_options=options) as m:

@@ -19,10 +19,10 @@ from . import (
     _description,
     _directory,
     _format,
+    _locations,
     _multiprocess,
     _names,
     _restore,
-    _storage,
     _transfer,
 )
 from ._async import AsyncManager
@@ -147,7 +147,7 @@ def save_pipeline(
     is durable) removes newer steps when `overwrite` and the steps `retention` names.
     """
     _transfer.check_options(snapshot, host_window_bytes, caller)
-    store, ckpt_dir = _storage.resolve(ckpt_dir, storage_options, caller=caller)
+    store, ckpt_dir = _locations.resolve(ckpt_dir, storage_options, caller=caller)
     if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
         # On an object store nobody can tell a live writer's uncommitted pieces from a dead
         # one's but by age: other saves remove them after `STALE_S`.
@@ -310,7 +310,7 @@ def latest_checkpoint(
     directory (notes, temporary files, other prefixes) are ignored. `ckpt_dir` may be an
     object-store URL (then `storage_options` as for `save_checkpoint`).
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="latest_checkpoint")
     newest = _directory.latest(_directory.list_checkpoints(store, where, prefix))
     return None if newest is None else newest.path
 
@@ -333,7 +333,7 @@ def available_steps(
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
     """
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="available_steps")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="available_steps")
     listing = _directory.list_checkpoints(store, where, prefix)
     texts = list({e.value: e.text for e in listing}.values())
     if step_type is int:
@@ -406,7 +406,7 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     _transfer.check_window(host_window_bytes, "restore_checkpoint")
-    store, where = _storage.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
         store,
         where,

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _coordination, _directory, _names, _storage, _transfer
+from . import _coordination, _directory, _locations, _names, _storage, _transfer
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
@@ -208,7 +208,7 @@ class CheckpointManager:
             raise ValueError(
                 f"CheckpointManager: handle_sigterm must be True or False, got {handle_sigterm!r}."
             )
-        self._store, self.directory = _storage.resolve(
+        self._store, self.directory = _locations.resolve(
             directory, storage_options, caller="CheckpointManager"
         )
         self.storage_options = storage_options

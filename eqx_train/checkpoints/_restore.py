@@ -1,7 +1,7 @@
 """Restoring: the `Reader` every layout implements, opening any layout, and matching what a
 checkpoint holds against a target pytree.
 
-A restore goes `_storage.resolve` (where) -> `_resolve` (which checkpoint: the path itself,
+A restore goes `_locations.resolve` (where) -> `_resolve` (which checkpoint: the path itself,
 or the latest / the step asked for in a directory listing, as an `Entry` that knows its
 layout) -> `open_reader` (the one place that picks a reader: `_format.FileReader`,
 `_shards.ShardedReader` or `_hf_layout.IndexReader`) -> `restore_from` (match the target,

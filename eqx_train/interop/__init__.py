@@ -1,5 +1,5 @@
-"""Weights in and out of eqx_train: flax msgpack checkpoints, PyTorch-style state dicts and
-the Hugging Face sharded safetensors layout."""
+"""Weights in and out of eqx_train: flax msgpack and Orbax checkpoints, PyTorch-style state
+dicts and the Hugging Face sharded safetensors layout."""
 
 from typing import TYPE_CHECKING
 
@@ -8,6 +8,7 @@ from .._lazy import exports
 if TYPE_CHECKING:
     from ._flax import load_flax_checkpoint as load_flax_checkpoint
     from ._hf import load_sharded as load_sharded, save_sharded as save_sharded
+    from ._orbax import load_orbax_checkpoint as load_orbax_checkpoint
     from ._state_dict import (
         LoadReport as LoadReport,
         from_state_dict as from_state_dict,
@@ -21,6 +22,7 @@ __getattr__, __dir__ = exports(
         "LoadReport": "_state_dict",
         "from_state_dict": "_state_dict",
         "load_flax_checkpoint": "_flax",
+        "load_orbax_checkpoint": "_orbax",
         "load_sharded": "_hf",
         "save_sharded": "_hf",
         "to_state_dict": "_state_dict",
@@ -31,6 +33,7 @@ __all__ = [
     "LoadReport",
     "from_state_dict",
     "load_flax_checkpoint",
+    "load_orbax_checkpoint",
     "load_sharded",
     "save_sharded",
     "to_state_dict",

@@ -421,9 +421,9 @@ def _is_orbax(path: str) -> bool:
 
 def _orbax_error(path: str) -> CheckpointFormatError:
     return CheckpointFormatError(
-        f"{path} is an Orbax checkpoint directory, not a flax msgpack checkpoint. Read it with "
-        "orbax.checkpoint (flax writes Orbax by default unless "
-        "flax.config.update('flax_use_orbax_checkpointing', False))."
+        f"{path} is an Orbax checkpoint directory, not a flax msgpack checkpoint (flax writes "
+        "Orbax by default). Read it with eqx_train.interop.load_orbax_checkpoint, or convert "
+        "it with `eqx-train convert-orbax`."
     )
 
 
@@ -444,6 +444,64 @@ def _latest(directory: str, prefix: str) -> str:
     # The last of the natural sort, as flax: among equal steps (checkpoint_1, checkpoint_01)
     # the one listed last.
     return os.path.join(directory, sorted(names, key=_natural_key)[-1])
+
+
+def _walk_arrays(root: Any, src: _Source) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of every array and number of a parsed file, by dotted name, in file
+    order; no array data is read."""
+    found: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        name, node = stack.pop()
+        if isinstance(node, _ArrayRef):
+            found[name or "<root>"] = (node.shape, node.dtype)
+        elif isinstance(node, dict) and _CHUNKED in node:
+            chunks = node.get("chunks")
+            first = chunks.get("0") if isinstance(chunks, dict) else None
+            shape = node.get("shape")
+            if not isinstance(first, _ArrayRef) or not isinstance(shape, dict):
+                raise src.bad(f"the chunked array {short(name)} is malformed")
+            found[name] = (tuple(shape[str(i)] for i in range(len(shape))), first.dtype)
+        elif isinstance(node, dict | list):
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            children = [(f"{name}.{key}" if name else str(key), value) for key, value in items]
+            stack.extend(reversed(children))
+        elif isinstance(node, bool | int | float | complex | np.generic):
+            found[name or "<root>"] = ((), np.asarray(node).dtype)
+    return found
+
+
+def flax_arrays(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The arrays (and numbers, as 0-d) of one flax msgpack checkpoint file, by dotted name:
+    its structure only, no array data read. For `eqx-train inspect`."""
+
+    def bad(why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
+
+    file = LocalSource(path, bad)
+    try:
+        if file.size == 0:
+            raise bad("it is empty")
+        src = _Source(file, file.size, bad)
+        return _walk_arrays(_parse(src), src)
+    finally:
+        file.close()
+
+
+def looks_like_flax(path: str) -> bool:
+    """Whether a file starts as flax's msgpack files do: a msgpack map (its state dict)."""
+    try:
+        file = LocalSource(path, CheckpointFormatError)  # never blocks on a FIFO
+    except (OSError, CheckpointFormatError):
+        return False
+    try:
+        if file.size == 0:
+            return False
+        first = bytearray(1)
+        file.read_into(memoryview(first), 0)
+    finally:
+        file.close()
+    return 0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)
 
 
 def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpoint_") -> Any:
