@@ -136,6 +136,35 @@ def test_async_device_snapshot_frees_each_copy_once_it_is_written(tmp_path, monk
     assert len(jax.live_arrays()) == before
 
 
+@pytest.mark.parametrize("how", ["async", "object_store"])
+def test_the_pinned_host_transfer_path_saves_bit_exactly_within_the_window(
+    tmp_path, monkeypatch, peak, how
+):
+    # What an accelerator does (a CPU device is read in place): each leaf goes to pinned
+    # host memory ahead of the writer, a sharded leaf counts twice (shards + assembled).
+    monkeypatch.setattr(_transfer, "_reads_in_place", lambda platform: False)
+    pinned, real_put = [], jax.device_put
+
+    def device_put(x, device=None, *args, **kwargs):
+        if getattr(device, "memory_kind", None) == "pinned_host":
+            pinned.append(x.shape)
+        return real_put(x, device, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", device_put)
+    state = _device_state(leaves=8)
+    expected = _host_copy(state)
+    directory = f"memory://{tmp_path.name}/pinned" if how == "object_store" else tmp_path
+    manager = checkpoints.AsyncManager()
+    checkpoints.save_checkpoint(
+        directory, state, 1, async_manager=manager, snapshot="device", host_window_bytes=4 * MiB
+    )
+    state = _donating_step()(state)
+    manager.wait_previous_save()
+    assert 2 * MiB <= peak() <= 4 * MiB
+    assert len(pinned) == (8 if how == "async" else 16)  # every leaf; twice for an upload
+    assert_trees_equal(checkpoints.restore_checkpoint(directory, None), expected)
+
+
 # ------------------------------------------------------------------ device memory
 
 

@@ -357,6 +357,12 @@ def warn_once_per(owner: Any) -> WarnOnce:
 _pinned_refused: set[str] = set()  # platforms whose runtime refused a pinned_host transfer
 
 
+def _reads_in_place(platform: str) -> bool:
+    """Whether a device's bytes are read where they are: a CPU device's memory is host
+    memory, so no transfer is needed."""
+    return platform == "cpu"
+
+
 def _start_transfer(source: jax.Array) -> tuple[Any, bool]:
     """Starts moving `source` to host memory: (what `np.asarray` turns into the host value,
     whether that value is a copy independent of `source`'s buffers).
@@ -367,7 +373,7 @@ def _start_transfer(source: jax.Array) -> tuple[Any, bool]:
     while the writer hashes and writes earlier leaves.
     """
     platform = next(iter(source.sharding.device_set)).platform
-    if platform == "cpu":
+    if _reads_in_place(platform):
         return source, False
     if source.is_fully_replicated and len(source.sharding.device_set) > 1:
         source = source.addressable_shards[0].data
@@ -389,7 +395,7 @@ def _held_for(tensor: Tensor) -> int:
         isinstance(source, jax.Array)
         and len(source.sharding.device_set) > 1
         and not source.is_fully_replicated
-        and next(iter(source.sharding.device_set)).platform != "cpu"
+        and not _reads_in_place(next(iter(source.sharding.device_set)).platform)
     ):
         return 2 * nbytes
     return nbytes
