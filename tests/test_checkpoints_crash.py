@@ -103,6 +103,18 @@ CHILD = textwrap.dedent(
             manager = checkpoints.AsyncManager()
             checkpoints.save_checkpoint(d, tree(step), step, prefix=prefix, async_manager=manager)
             manager.wait_previous_save()
+        elif mode == "async_device":
+            # The state on the device, snapshotted there; the next step donates its buffers
+            # while the background thread writes.
+            import jax
+
+            state = {**tree(step), "w": jax.device_put(tree(step)["w"])}
+            manager = checkpoints.AsyncManager()
+            checkpoints.save_checkpoint(
+                d, state, step, prefix=prefix, async_manager=manager, snapshot="device"
+            )
+            jax.jit(lambda w: w * 0 - 1, donate_argnums=0)(state["w"]).block_until_ready()
+            manager.wait_previous_save()
         elif mode == "manager":
             checkpoints.CheckpointManager(d, prefix=prefix).save(step, tree(step))
     print("SURVIVED", flush=True)
@@ -214,7 +226,7 @@ def kill_point(ckpt_dir, point):
     }[point]
 
 
-@pytest.mark.parametrize("mode", ["save", "async", "manager"])
+@pytest.mark.parametrize("mode", ["save", "async", "async_device", "manager"])
 @pytest.mark.parametrize("point", ["in-header", "before-first-tensor", "mid-last-tensor"])
 def test_kill_mid_write_keeps_previous_checkpoint_and_leaves_only_its_temporary(
     tmp_path, mode, point
@@ -224,7 +236,8 @@ def test_kill_mid_write_keeps_previous_checkpoint_and_leaves_only_its_temporary(
     pid, out = kill_child_mid_save(tmp_path, mode, step=2, kill_at=kill_at)
     assert f"at byte {kill_at} of the file" in out
     killer = out[out.index("KILL-POINT") :].splitlines()[0]
-    assert ("MainThread" not in killer) == (mode == "async"), killer  # async: in the background
+    in_background = mode in ("async", "async_device")
+    assert ("MainThread" not in killer) == in_background, killer
     assert_only_complete_checkpoints(tmp_path, [1])
     name, _ = the_killed_temporary(tmp_path, pid, "checkpoint_2.safetensors")
     assert os.path.getsize(tmp_path / name) == kill_at  # exactly what was written so far

@@ -25,9 +25,11 @@ from . import (
     _names,
     _restore,
     _selection,
+    _transfer,
 )
 from ._async import AsyncManager
 from ._storage import Storage
+from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
 
 T = TypeVar("T")
 
@@ -42,6 +44,8 @@ def save_checkpoint(
     keep_every_n_steps: int | float | None = None,
     async_manager: AsyncManager | None = None,
     *,
+    snapshot: SnapshotMode = "auto",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     filter_spec: Any = None,
 ) -> str:
@@ -76,8 +80,19 @@ def save_checkpoint(
     - `keep_every_n_steps`: additionally keep older checkpoints, by flax's rule: walking the
       checkpoints older than the newest `keep` from the oldest, keep a step when it is at
       least this many steps past the last step kept this way (step 0 is never kept by it).
-    - `async_manager`: if given, snapshot `target` to host memory now and write in the
-      background; a later save waits for this one and raises its error.
+    - `async_manager`: if given, snapshot `target` now and write in the background; a later
+      save waits for this one and raises its error. The caller may donate or overwrite its
+      buffers as soon as this returns (see [Checkpointing on GPUs](../checkpointing_on_gpus.md)).
+    - `snapshot`: how an async save snapshots the array leaves. `"device"`: a copy on their
+      own devices (one jitted copy, same shardings; costs 1× their size in device memory
+      until each leaf is written); `"host"`: a copy in host memory, leaf by leaf, before
+      returning (blocks for the transfer; costs 1× the state in host memory); `"auto"`
+      (default): on the devices when the copy fits in their free memory, else on the host,
+      with a warning the first time. NumPy and scalar leaves are always copied on the host.
+      Ignored without `async_manager`.
+    - `host_window_bytes`: the most leaf bytes the save holds on the host at once (at least
+      one leaf); default 256 MiB. The next leaves' transfers run while earlier ones are
+      hashed and written.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too. Besides,
@@ -109,6 +124,8 @@ def save_checkpoint(
         retention=_directory.flax_retention(keep, keep_every_n_steps, "save_checkpoint"),
         async_manager=async_manager,
         caller="save_checkpoint",
+        snapshot=snapshot,
+        host_window_bytes=host_window_bytes,
         storage_options=storage_options,
     )
 
@@ -126,6 +143,8 @@ def save_pipeline(
     extra_metadata: dict[str, str] | Callable[[], dict[str, str]] | None = None,
     multiprocess: bool = False,
     timeout_s: int | float = 300.0,
+    snapshot: SnapshotMode = "auto",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
@@ -141,6 +160,7 @@ def save_pipeline(
     number = _multiprocess.begin_save() if multiprocess else None
 
     def prepare() -> tuple[Storage, str, Decimal, str, str, Any, list, dict]:
+        _transfer.check_options(snapshot, host_window_bytes, caller)
         store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
         if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
             # On an object store nobody can tell a live writer's uncommitted pieces from a
@@ -193,9 +213,12 @@ def save_pipeline(
         key = _multiprocess.save_key(number, step_text)
         planned: Any
         try:
-            planned = _multiprocess.plan_pieces(tensors, jax.process_index())
             if async_manager is not None:
-                planned = ([_description.snapshot(p) for p in planned[0]], planned[1])
+                # The caller may mutate or donate its buffers as soon as we return.
+                tensors = _transfer.snapshot(
+                    tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
+                )
+            planned = _multiprocess.plan_pieces(tensors, jax.process_index())
         except Exception as error:  # reported when the pieces are collected
             planned = error
 
@@ -224,8 +247,10 @@ def save_pipeline(
 
     else:
         if async_manager is not None:
-            # Snapshot now: the caller may mutate or donate the buffers as soon as we return.
-            tensors = [_description.snapshot(t) for t in tensors]
+            # The caller may mutate or donate its buffers as soon as we return.
+            tensors = _transfer.snapshot(
+                tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
+            )
 
         def commit() -> None:
             _directory.remove_leftovers(store, ckpt_dir, prefix)
@@ -243,10 +268,14 @@ def save_pipeline(
                 ) from None
             after_commit()
 
+    def commit_within_window() -> None:
+        with _transfer.host_window_bytes(host_window_bytes):
+            commit()
+
     if async_manager is not None:
-        async_manager.save_async(commit)
+        async_manager.save_async(commit_within_window)
     else:
-        commit()
+        commit_within_window()
     return final_path
 
 
@@ -261,6 +290,8 @@ def save_checkpoint_multiprocess(
     async_manager: AsyncManager | None = None,
     *,
     timeout_s: int | float = 300.0,
+    snapshot: SnapshotMode = "auto",
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     filter_spec: Any = None,
 ) -> str:
@@ -301,6 +332,8 @@ def save_checkpoint_multiprocess(
         caller=caller,
         multiprocess=True,
         timeout_s=timeout_s,
+        snapshot=snapshot,
+        host_window_bytes=host_window_bytes,
         storage_options=storage_options,
     )
 
@@ -365,6 +398,7 @@ def restore_checkpoint(
     *,
     strict: bool = True,
     verify: bool = True,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     config: _selection.Config = "target",
     filter_spec: Any = None,
@@ -393,6 +427,10 @@ def restore_checkpoint(
       dtype must still match).
     - `verify`: check every tensor read against the checksum recorded when it was saved
       (default). Files written before checksums existed have nothing to check.
+    - `host_window_bytes`: the most leaf bytes held on the host at once while restoring
+      into a target (at least one leaf); default 256 MiB. The next leaves are read and
+      verified while earlier ones are placed on their devices, and each leaf's host bytes
+      are let go once it is there. (With `target=None` the result itself is on the host.)
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.
@@ -422,6 +460,7 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     _selection.check_config(config, "restore_checkpoint")
+    _transfer.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
         store,
@@ -434,4 +473,5 @@ def restore_checkpoint(
         verify=verify,
         config=config,
         filter_spec=filter_spec,
+        host_window_bytes=host_window_bytes,
     )

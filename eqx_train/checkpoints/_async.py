@@ -16,9 +16,10 @@ _live_managers: weakref.WeakSet[AsyncManager] = weakref.WeakSet()
 class AsyncManager:
     """Runs checkpoint saves in a background thread, one at a time.
 
-    Pass it as `save_checkpoint(..., async_manager=manager)`: the call snapshots the state to
-    host memory and returns; the file is written, committed and old files pruned in the
-    background. A new save first waits for the previous one.
+    Pass it as `save_checkpoint(..., async_manager=manager)`: the call snapshots the state
+    (array leaves by a copy on their own devices, see `save_checkpoint`'s `snapshot`) and
+    returns; the leaves are moved to the host, written, committed and old files pruned in
+    the background. A new save first waits for the previous one.
 
     **Arguments:**
 
@@ -29,8 +30,8 @@ class AsyncManager:
     that nobody waited for, the error is printed to stderr rather than dropped silently.
 
     !!! note "Differences from flax"
-        The state is copied to host memory when `save_checkpoint` is called, so later
-        mutation or buffer donation cannot leak into the file.
+        The state is snapshotted when `save_checkpoint` is called, so later mutation or
+        buffer donation cannot leak into the file.
     """
 
     def __init__(self, max_workers: int = 1):

@@ -15,7 +15,7 @@ import json
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -79,20 +79,15 @@ def dtype_code(dtype: Any, name: str, caller: str) -> str:
 @dataclass(frozen=True)
 class Tensor:
     """One tensor to write: its name, a way to get its NumPy value, and the array it came
-    from (a `jax.Array` whose shards a multi-process save writes piece by piece)."""
+    from (a `jax.Array` whose shards a multi-process save writes piece by piece). `owned`:
+    the source is a snapshot copy made for this save, which the writer frees once written."""
 
     name: str
     get: Callable[[], np.ndarray]
     dtype: np.dtype
     shape: tuple[int, ...]
     source: Any = None
-
-
-def snapshot(tensor: Tensor) -> Tensor:
-    """The tensor with its value copied to host memory now (for saves that finish later,
-    after the caller may have mutated or donated the buffers)."""
-    value = np.array(tensor.get(), copy=True)
-    return replace(tensor, get=lambda: value)
+    owned: bool = False
 
 
 def is_prng_key(x: Any) -> bool:

@@ -27,12 +27,14 @@ import os
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from . import _transfer
 from ._description import (
     CODE_TO_DTYPE,
     DTYPE_TO_CODE,
@@ -199,44 +201,51 @@ def write_all(fd: int, data: memoryview) -> None:
 def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
     """The one writer, to a file descriptor (`out: int`) or a binary stream (an upload).
 
-    To a file descriptor: the header, then each tensor's bytes fetched and hashed one leaf at
-    a time (extra memory: one leaf), then the header again with the real checksums (digests
-    have a fixed width, so it has exactly the first one's length). A stream cannot be
-    rewritten, so there every leaf is fetched and hashed first, then the final header and
-    the bytes are written in order (extra memory: the leaves' host copies, which device
-    arrays on a CPU backend share with their buffers).
+    Leaves reach the host through the transfer pipeline (`_transfer.host_arrays`): the
+    transfers of the next leaves run while the current one is hashed and written, and at
+    most the save's `host_window_bytes` of leaf bytes (at least one leaf) are held on the
+    host (`_transfer.host_window_bytes` sets it around a save's commit).
+
+    To a file descriptor: the header, then each tensor's bytes hashed and written in turn,
+    then the header again with the real checksums (digests have a fixed width, so it has
+    exactly the first one's length). A stream cannot be rewritten, so there the leaves go
+    through the pipeline twice: once to hash them for the header, once to write them
+    (hashed again: a leaf that changed in between is refused rather than written under a
+    wrong checksum).
     """
+    window = _transfer.current_window()
     if isinstance(out, int):
-        _write_to_fd(out, tensors, metadata)
+        _write_to_fd(out, tensors, metadata, window)
         return
-    arrays, digests = [], []
-    for t in tensors:
-        array = _fetch(t)
-        arrays.append(array)
-        digests.append(checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array)))
+    digests = []
+    with closing(_transfer.host_arrays(tensors, window, final=False)) as leaves:
+        for t, array in leaves:
+            digests.append(checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array)))
     out.write(_encode_header(tensors, metadata, digests))
-    for array in arrays:
-        for chunk in _chunks(_as_bytes(array), _STREAM_CHUNK):
-            out.write(chunk)
+    with closing(_transfer.host_arrays(tensors, window)) as leaves:
+        for (t, array), digest in zip(leaves, digests, strict=True):
+            check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
+            for block in _chunks(_as_bytes(array), _STREAM_CHUNK):
+                for chunk in _chunks(block):
+                    check.update(chunk)
+                out.write(block)
+            if check.hexdigest() != digest:
+                raise RuntimeError(
+                    f"save_checkpoint: leaf '{t.name}' changed while it was being saved."
+                )
 
 
-def _fetch(t: Tensor) -> np.ndarray:
-    array = t.get()
-    if tuple(array.shape) != t.shape or np.dtype(array.dtype) != t.dtype:
-        raise RuntimeError(
-            f"save_checkpoint: leaf '{t.name}' changed from {t.dtype}{list(t.shape)} to "
-            f"{array.dtype}{list(array.shape)} while it was being saved."
-        )
-    return array
-
-
-def _write_to_fd(fd: int, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+def _write_to_fd(
+    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], window: _transfer.HostWindow
+) -> None:
     placeholder = _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
     write_all(fd, memoryview(placeholder))
     digests = []
-    for t in tensors:
-        view = _as_bytes(_fetch(t))
-        digests.append(checksum(DTYPE_TO_CODE[t.dtype], t.shape, view, lambda c: write_all(fd, c)))
+    with closing(_transfer.host_arrays(tensors, window)) as leaves:
+        for t, array in leaves:
+            view = _as_bytes(array)
+            code = DTYPE_TO_CODE[t.dtype]
+            digests.append(checksum(code, t.shape, view, lambda c: write_all(fd, c)))
     header = _encode_header(tensors, metadata, digests)
     if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
         raise AssertionError("checkpoint header changed length")

@@ -29,11 +29,13 @@ from . import (
     _names,
     _selection,
     _storage,
+    _transfer,
 )
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
 from ._restore import RESTORE_ATTEMPTS, restore_entry
+from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
 
 T = TypeVar("T")
 
@@ -152,6 +154,10 @@ class CheckpointManager:
     - `async_save`: write in a background thread (one save in flight). The state is
       snapshotted at `save`; an error in the background is raised by the next `save`,
       `wait` or `close` (or when leaving a `with` block).
+    - `snapshot`: how an async save snapshots the array leaves: `"device"`, `"host"` or
+      `"auto"` (default), as for `save_checkpoint`.
+    - `host_window_bytes`: the most leaf bytes a save or a restore holds on the host at
+      once (at least one leaf), as for `save_checkpoint` and `restore_checkpoint`.
     - `timeout_s`: in a multi-process job, how long to wait for the other processes.
     - `save_interval_steps`: `should_save(step)` says yes when `step` is a multiple of
       this (an int >= 1); `None` for no step interval.
@@ -223,6 +229,8 @@ class CheckpointManager:
         keep_every_n_steps: int | float | None = None,
         prefix: str = "checkpoint_",
         async_save: bool = False,
+        snapshot: SnapshotMode = "auto",
+        host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
         timeout_s: int | float = 300.0,
         save_interval_steps: int | None = None,
         save_interval_seconds: int | float | None = None,
@@ -270,6 +278,7 @@ class CheckpointManager:
                 "CheckpointManager: save_interval_seconds must be a finite number > 0 (the "
                 f"seconds between saves) or None, got {save_interval_seconds!r}."
             )
+        _transfer.check_options(snapshot, host_window_bytes, "CheckpointManager")
         if not isinstance(handle_sigterm, bool):
             raise ValueError(
                 f"CheckpointManager: handle_sigterm must be True or False, got {handle_sigterm!r}."
@@ -288,6 +297,8 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.save_interval_seconds = save_interval_seconds
         self.handle_sigterm = handle_sigterm
+        self.snapshot: SnapshotMode = snapshot
+        self.host_window_bytes = host_window_bytes
         self._async = AsyncManager() if async_save else None
         self._store.makedirs(self.directory)
         _directory.remove_leftovers(self._store, self.directory, self.prefix)
@@ -351,6 +362,8 @@ class CheckpointManager:
             extra_metadata=extra,
             multiprocess=jax.process_count() > 1,
             timeout_s=self.timeout_s,
+            snapshot=self.snapshot,
+            host_window_bytes=self.host_window_bytes,
             storage_options=self.storage_options,
         )
         # A save succeeded, so `step` is now the newest checkpoint (an older step needs
@@ -542,7 +555,11 @@ class CheckpointManager:
         them skip it.
         """
         self.wait()
-        options: dict[str, Any] = {"config": config, "filter_spec": filter_spec}
+        options: dict[str, Any] = {
+            "config": config,
+            "filter_spec": filter_spec,
+            "host_window_bytes": self.host_window_bytes,
+        }
         if step == "best":
             return self._restore_best(target, options)
         if step is not None or not fallback:

@@ -265,23 +265,26 @@ def plan_pieces(
     for tensor in tensors:
         source = tensor.source
         if isinstance(source, jax.Array) and not source.is_fully_addressable:
-            owned = [
+            mine = [
                 (
                     [
                         list(s.indices(d)[:2])
                         for s, d in zip(shard.index, tensor.shape, strict=True)
                     ],
                     lambda data=shard.data: np.asarray(data),
+                    shard.data,
                 )
                 for shard in source.addressable_shards
                 if shard.replica_id == 0
             ]
         else:
-            owned = [([[0, d] for d in tensor.shape], tensor.get)] if process == 0 else []
-        for k, (ranges, get) in enumerate(owned):
+            whole = [[0, d] for d in tensor.shape]
+            mine = [(whole, tensor.get, tensor.source)] if process == 0 else []
+        for k, (ranges, get, data) in enumerate(mine):
             name = _names.piece_tensor(tensor.name, process, k)
             shape = tuple(b - a for a, b in ranges)
-            pieces.append(_description.Tensor(name, get, tensor.dtype, shape))
+            # The shard itself as the source: the writer starts its transfer ahead of time.
+            pieces.append(_description.Tensor(name, get, tensor.dtype, shape, data, tensor.owned))
             where[name] = {"leaf": tensor.name, "index": ranges}
     return pieces, where
 

@@ -10,8 +10,10 @@ read only the tensors it needs, rebuild).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -33,6 +35,7 @@ from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
 from ._shards import ShardedReader
 from ._storage import Storage
+from ._transfer import DEFAULT_HOST_WINDOW_BYTES, HostWindow, windowed_reads
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
@@ -173,6 +176,7 @@ def restore(
     verify: bool,
     config: _selection.Config = "target",
     filter_spec: Any = None,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
 ) -> T:
     """`restore_checkpoint` once its location is resolved: pick the checkpoint, open it,
     match it; again (up to 5 times) when a concurrent save replaced what was being read."""
@@ -193,6 +197,7 @@ def restore(
                     verify=verify,
                     config=config,
                     filter_spec=filter_spec,
+                    host_window_bytes=host_window_bytes,
                 )
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
@@ -213,6 +218,7 @@ def restore_entry(
     verify: bool = True,
     config: _selection.Config = "target",
     filter_spec: Any = None,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
 ) -> T:
     """Restores the listed checkpoint `entry` into `target`. Raises `FileNotFoundError` if
     it is gone, or was replaced while being read: the caller lists again."""
@@ -225,6 +231,7 @@ def restore_entry(
             verify=verify,
             config=config,
             filter_spec=filter_spec,
+            host_window_bytes=host_window_bytes,
         )
 
 
@@ -292,16 +299,19 @@ def restore_from(
     caller: str = "restore_checkpoint",
     config: _selection.Config = "target",
     filter_spec: Any = None,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
 ) -> Any:
     """The matcher: `target` filled from `reader` (or, for `target=None`, the tree as saved).
 
     Every array leaf of `target` is matched by key path against the checkpoint's tensors
     (shape, dtype, PRNG key implementation; with `strict`, nothing missing or extra), every
     problem listed in one `ValueError`, before any tensor data is read. Then only the
-    tensors needed are read: whole, or device block by device block for a sharded target
-    (`_blockwise`). `caller` names the public function in errors. `filter_spec` leaves out
-    leaves (kept from the target); with `config="target"` the Python scalars of Equinox
-    modules are compared, not taken (`_selection`).
+    tensors needed are read: whole, a window of `host_window_bytes` at a time (the next
+    leaves read and verified while earlier ones are placed on their devices), or device
+    block by device block for a sharded target (`_blockwise`). `caller` names the public
+    function in errors. `filter_spec` leaves out leaves (kept from the target); with
+    `config="target"` the Python scalars of Equinox modules are compared, not taken
+    (`_selection`).
     """
     if target is None:
         if not reader.has_description:
@@ -378,22 +388,40 @@ def restore_from(
             reader.read(name, verify=True)
         _fail(reader.path, problems, strict, caller, _selection.replicated_hint(shared_arrays))
 
-    whole = [name for index, name, kind in slots if not _blockwise(reader, leaves[index], kind)]
-    whole += [name for _, name, _ in config_slots]
-    arrays = reader.read_many(whole, verify=verify, parallel=parallel)
-    for index, name, kind in slots:
-        leaf = leaves[index]
-        if name not in arrays:
-            leaves[index] = _read_blockwise(reader, name, leaf, verify)
-            continue
-        try:
-            leaves[index] = kind.fill(leaf, arrays[name])
-        except ValueError as error:
-            problems.append(f"'{name}': {error}")
+    whole = {
+        name: (index, kind)
+        for index, name, kind in slots
+        if not _blockwise(reader, leaves[index], kind)
+    }
+    reads = windowed_reads(
+        list(whole),
+        lambda name: math.prod(available[name][0]) * available[name][1].itemsize,
+        lambda group: reader.read_many(group, verify=verify, parallel=parallel),
+        HostWindow(host_window_bytes),
+    )
+    with closing(reads):
+        for name, array in reads:
+            index, kind = whole[name]
+            try:
+                leaves[index] = kind.fill(leaves[index], array)
+            except ValueError as error:
+                problems.append(f"'{name}': {error}")
+                continue
+            # On the device before its host bytes count as released (an accelerator copies
+            # them asynchronously; a CPU device adopts them).
+            if isinstance(leaves[index], jax.Array):
+                leaves[index].block_until_ready()
+    for index, name, _ in slots:
+        if name not in whole:
+            leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
+    # Python scalars: a few bytes each, read outside the window.
+    config_arrays = reader.read_many(
+        [name for _, name, _ in config_slots], verify=verify, parallel=parallel
+    )
     if problems:
         _fail(reader.path, problems, strict, caller)
     differences = _selection.config_differences(
-        [(name, leaves[index], kind, arrays[name]) for index, name, kind in config_slots]
+        [(name, leaves[index], kind, config_arrays[name]) for index, name, kind in config_slots]
     )
     if differences:
         _selection.warn_config(reader.path, differences, caller)
