@@ -1,10 +1,44 @@
-"""Shared timing helpers for the benchmarks: medians of repeated runs."""
+"""Shared helpers for the benchmarks: medians of repeated runs, peak resident memory."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Samples RSS every millisecond while active; reports the peak above the start."""
+
+    def __enter__(self) -> PeakRSS:
+        self.start = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def extra_mib(self) -> float:
+        return (self.peak - self.start) / 2**20
 
 
 def median_seconds(run: Callable[[], object], *, repeats: int = 5, number: int = 1) -> float:

@@ -18,7 +18,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -27,42 +26,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _timing import print_table  # noqa: E402
+from _timing import PeakRSS, print_table  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class PeakRSS:
-    """Samples RSS every millisecond while active; reports the peak above the start."""
-
-    def __enter__(self) -> PeakRSS:
-        self.start = rss_bytes()
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-    @property
-    def extra_mib(self) -> float:
-        return (self.peak - self.start) / 2**20
 
 
 def make_tree(total_mib: int, leaves: int) -> dict[str, jax.Array]:

@@ -30,7 +30,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _timing import print_table  # noqa: E402
+from _timing import PeakRSS, print_table  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
 from eqx_train.checkpoints import _transfer  # noqa: E402
@@ -49,39 +48,6 @@ try:
     import orbax.checkpoint as ocp
 except ImportError:  # optional: compared only where it installs
     ocp = None
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class PeakRSS:
-    """Samples RSS every millisecond while active; reports the peak above the start."""
-
-    def __enter__(self) -> PeakRSS:
-        self.start = self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-    @property
-    def extra_mib(self) -> float:
-        return (self.peak - self.start) / 2**20
-
 
 # ------------------------------------------------------------------------------ the state
 

@@ -49,3 +49,17 @@ def s3_bucket(s3_server):
     import secrets
 
     return s3_server.create_bucket(f"test-{secrets.token_hex(8)}")
+
+
+@pytest.fixture
+def proxied(s3_server, s3_bucket):
+    """(URL of a fresh run on `s3_server`, storage_options that reach it through a
+    `tests.fault_proxy.FaultProxy`, the proxy): for tests of lost and late answers."""
+    from tests.fault_proxy import FaultProxy
+
+    with FaultProxy(s3_server.endpoint_url, max_stall_s=30) as proxy:
+        options = {
+            **s3_server.storage_options,
+            "client_kwargs": {"endpoint_url": proxy.url, "region_name": "us-east-1"},
+        }
+        yield f"{s3_bucket}/run", options, proxy

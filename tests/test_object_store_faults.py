@@ -14,19 +14,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import _format, _locations, _object_storage
-from tests.fault_proxy import FaultProxy
 from tests.helpers import assert_trees_equal
-
-
-@pytest.fixture
-def proxied(s3_server, s3_bucket):
-    """(URL of a fresh run, storage_options through a fault proxy, the proxy)."""
-    with FaultProxy(s3_server.endpoint_url, max_stall_s=30) as proxy:
-        options = {
-            **s3_server.storage_options,
-            "client_kwargs": {"endpoint_url": proxy.url, "region_name": "us-east-1"},
-        }
-        yield f"{s3_bucket}/run", options, proxy
 
 
 def _store(url, options):

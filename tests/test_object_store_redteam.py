@@ -12,21 +12,9 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import _locations, _object_storage
-from tests.fault_proxy import FaultProxy
 from tests.helpers import assert_trees_equal
 
 INDEX = "index.safetensors"
-
-
-@pytest.fixture
-def proxied(s3_server, s3_bucket):
-    """(URL of a fresh run, storage_options through a fault proxy, the proxy)."""
-    with FaultProxy(s3_server.endpoint_url, max_stall_s=30) as proxy:
-        options = {
-            **s3_server.storage_options,
-            "client_kwargs": {"endpoint_url": proxy.url, "region_name": "us-east-1"},
-        }
-        yield f"{s3_bucket}/run", options, proxy
 
 
 @pytest.fixture
@@ -146,7 +134,7 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
         monkeypatch.setattr(_coordination, "broadcast", lambda op, value, a=answer, **kw: a)
         with pytest.raises(RuntimeError, match="did not commit"):
             _multiprocess.write_and_commit(
-                store, url, token, [], {}, [], {}, timeout_s=5, caller="test",
+                store, url, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5, caller="test",
                 overwrite=False, after_commit=lambda: None,
             )  # fmt: skip
         assert isinstance(store, _storage.Storage) and store.exists(piece) == kept

@@ -164,22 +164,10 @@ def _resolve(
     )
 
 
-def restore(
-    store: Storage,
-    where: str,
-    target: T,
-    step: Any,
-    prefix: str,
-    *,
-    strict: bool,
-    parallel: bool,
-    verify: bool,
-    config: _selection.Config = "target",
-    filter_spec: Any = None,
-    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
-) -> T:
+def restore(store: Storage, where: str, target: T, step: Any, prefix: str, **options: Any) -> T:
     """`restore_checkpoint` once its location is resolved: pick the checkpoint, open it,
-    match it; again (up to 5 times) when a concurrent save replaced what was being read."""
+    match it (`restore_entry`, with `options`); again (up to 5 times) when a concurrent save
+    replaced what was being read."""
     named_gone: FileNotFoundError | None = None
     for attempt in range(RESTORE_ATTEMPTS):
         entry, listed = _resolve(store, where, step, prefix)
@@ -188,17 +176,7 @@ def restore(
                 raise named_gone  # the checkpoint named was there, and went
             return target
         try:
-            with open_reader(store, entry) as reader:
-                return _restore_one(
-                    reader,
-                    target,
-                    strict=strict,
-                    parallel=parallel,
-                    verify=verify,
-                    config=config,
-                    filter_spec=filter_spec,
-                    host_window_bytes=host_window_bytes,
-                )
+            return restore_entry(store, entry, target, **options)
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
@@ -210,7 +188,7 @@ def restore(
 
 def restore_entry(
     store: Storage,
-    entry: _directory.Entry,
+    entry: _directory.Entry | Location,
     target: T,
     *,
     strict: bool = True,
@@ -220,7 +198,8 @@ def restore_entry(
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
 ) -> T:
-    """Restores the listed checkpoint `entry` into `target`. Raises `FileNotFoundError` if
+    """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
+    directly) into `target`. Raises `FileNotFoundError` if
     it is gone, or was replaced while being read: the caller lists again."""
     with open_reader(store, entry) as reader:
         return _restore_one(
