@@ -15,11 +15,9 @@ if TYPE_CHECKING:
     )
     from ._async import AsyncManager as AsyncManager
     from ._errors import CheckpointFormatError as CheckpointFormatError
+    from ._fallback import UnreadableCheckpointWarning as UnreadableCheckpointWarning
     from ._legacy import convert_pre_linen as convert_pre_linen
-    from ._manager import (
-        CheckpointManager as CheckpointManager,
-        UnreadableCheckpointWarning as UnreadableCheckpointWarning,
-    )
+    from ._manager import CheckpointManager as CheckpointManager
     from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
     from ._selection import ConfigMismatchWarning as ConfigMismatchWarning
 
@@ -32,7 +30,7 @@ __getattr__, __dir__ = exports(
         "CheckpointFormatError": "_errors",
         "CheckpointManager": "_manager",
         "ConfigMismatchWarning": "_selection",
-        "UnreadableCheckpointWarning": "_manager",
+        "UnreadableCheckpointWarning": "_fallback",
         "available_steps": "_api",
         "convert_pre_linen": "_legacy",
         "latest_checkpoint": "_api",

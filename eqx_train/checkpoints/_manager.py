@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -23,16 +21,17 @@ from jax.typing import ArrayLike
 from . import (
     _coordination,
     _directory,
-    _errors,
     _format,
     _locations,
     _names,
+    _preemption,
     _selection,
     _storage,
     _transfer,
 )
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
+from ._fallback import UnreadableCheckpointWarning, preferred, restore_latest_that_verifies
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
 from ._restore import RESTORE_ATTEMPTS, restore_entry
 from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
@@ -44,27 +43,6 @@ T = TypeVar("T")
 # a save.
 _clock = time.monotonic
 
-# `should_save`'s answer as process 0 shares it: (save this step, preemption seen).
-_DECISIONS = {
-    (False, False): "skip",
-    (True, False): "save",
-    (False, True): "preempted, already saved",
-    (True, True): "preempted, save",
-}
-_DECISION_OF = {text: pair for pair, text in _DECISIONS.items()}
-
-
-class UnreadableCheckpointWarning(UserWarning):
-    """A checkpoint in a manager's directory could not be read: while ranking by metric it
-    counts as having no metric (it is kept only as one of the latest); when
-    `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
-    that verifies instead, and this warning names each one skipped."""
-
-
-def _preferred(listing: list[_directory.Entry]) -> list[_directory.Entry]:
-    """One entry per step (the listing's preferred spelling), oldest first."""
-    return list({e.value: e for e in listing}.values())
-
 
 def _metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, str]:
     """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
@@ -72,57 +50,6 @@ def _metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, 
     path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
     with _format.FileReader(path, store.open(path)) as reader:
         return reader.metadata
-
-
-class _SigtermListeners:
-    """The library's one SIGTERM handler and the live managers it tells.
-
-    The handler is installed when the first manager registers and put back (the handler
-    that was there before it) when the last one unregisters, so managers may be closed in
-    any order: a closed manager is never told again, and SIGTERM keeps its usual meaning
-    once none is live. Main thread only (Python sets and runs handlers there)."""
-
-    def __init__(self) -> None:
-        # Weak: a manager dropped without `close()` stops listening once it is collected.
-        self.managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-        self.previous: Any = None
-        self.running = False
-
-    def handle(self, signum: int, frame: Any) -> None:
-        if self.running:  # a handler installed over ours that chains back to us
-            return
-        self.running = True
-        try:
-            for manager in list(self.managers):
-                manager._sigterm_received = True
-            previous = self.previous
-            if callable(previous):  # a Python handler; never SIG_DFL, which would kill us
-                previous(signum, frame)
-        finally:
-            self.running = False
-
-    def register(self, manager: CheckpointManager) -> None:
-        if signal.getsignal(signal.SIGTERM) != self.handle:
-            # First listener, or someone replaced our handler since: (re)install, chaining
-            # to whatever is there now.
-            self.previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self.handle)
-        self.managers.add(manager)
-
-    def unregister(self, manager: CheckpointManager) -> None:
-        self.managers.discard(manager)
-        if len(self.managers) or signal.getsignal(signal.SIGTERM) != self.handle:
-            # Others still listen; or a handler was installed over ours and stays (it may
-            # chain to ours, which then only chains on).
-            return
-        previous = self.previous
-        # None: the previous handler was not set from Python; the default is the closest
-        # we can put back.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        self.previous = None
-
-
-_SIGTERM = _SigtermListeners()
 
 
 class CheckpointManager:
@@ -437,11 +364,11 @@ class CheckpointManager:
         )
         decision = _coordination.decide(
             _coordination.next_id("should_save"),
-            lambda: _DECISIONS[self._decide(value, at_sync_point)],
+            lambda: _preemption.DECISIONS[self._decide(value, at_sync_point)],
             timeout_s=self.timeout_s,
             caller="CheckpointManager.should_save",
         )
-        save, preempted = _DECISION_OF[str(decision)]
+        save, preempted = _preemption.DECISION_OF[str(decision)]
         self._preempted = self._preempted or preempted
         return save
 
@@ -571,7 +498,9 @@ class CheckpointManager:
                 storage_options=self.storage_options,
                 **options,
             )
-        return self._restore_latest_that_verifies(target, options)
+        return restore_latest_that_verifies(
+            self._store, self.directory, self._listing, target, options, timeout_s=self.timeout_s
+        )
 
     # ------------------------------------------------------------------ internals
 
@@ -603,12 +532,12 @@ class CheckpointManager:
             or threading.current_thread() is not threading.main_thread()
         ):
             return
-        _SIGTERM.register(self)
+        _preemption.SIGTERM.register(self)
         self._listens = True
 
     def _restore_sigterm_handler(self) -> None:
         if self._listens and threading.current_thread() is threading.main_thread():
-            _SIGTERM.unregister(self)
+            _preemption.SIGTERM.unregister(self)
             self._listens = False
 
     def _listing(self) -> list[_directory.Entry]:
@@ -688,7 +617,7 @@ class CheckpointManager:
         retention removed a checkpoint while its metric was being read."""
         for attempt in range(RESTORE_ATTEMPTS):
             try:
-                ranked = self._ranked(_preferred(self._listing()), gone_ok=False)
+                ranked = self._ranked(preferred(self._listing()), gone_ok=False)
             except FileNotFoundError:
                 if attempt + 1 == RESTORE_ATTEMPTS:
                     raise
@@ -711,82 +640,6 @@ class CheckpointManager:
                 if attempt + 1 == RESTORE_ATTEMPTS:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _restore_latest_that_verifies(self, target: T, options: dict[str, Any]) -> T:
-        """The newest checkpoint that restores without a `CheckpointFormatError`, warning
-        for each one skipped; the processes of a multi-process job decide together."""
-        caller = "CheckpointManager.restore"
-        skipped: dict[str, _errors.CheckpointFormatError] = {}
-        multiprocess = jax.process_count() > 1
-        relists = 0
-        listing = _preferred(self._listing())
-        while True:
-            candidates = [e for e in reversed(listing) if e.path not in skipped]
-            if not candidates:
-                if skipped:
-                    listed = "; ".join(f"{p}: {e}" for p, e in skipped.items())
-                    raise _errors.CheckpointFormatError(
-                        f"{caller}: no checkpoint in {self.directory} verifies: {listed}"
-                    )
-                return target
-            entry = candidates[0]
-            outcome, restored, failure = "ok", target, None
-            try:
-                restored = restore_entry(self._store, entry, target, **options)
-            except _errors.CheckpointFormatError as error:
-                skipped[entry.path] = error
-                outcome = f"corrupt: {error}"
-            except FileNotFoundError:
-                outcome = "gone"
-            except Exception as error:  # e.g. a target mismatch: no fallback
-                if not multiprocess:
-                    raise
-                failure, outcome = error, f"failed: {type(error).__name__}: {error}"
-            if multiprocess:
-                # Each process reads only its devices' pieces: a corruption one of them
-                # sees must make every one skip that checkpoint.
-                seen = _coordination.gather(
-                    _coordination.next_id("restore_fallback"),
-                    json.dumps([entry.path, outcome]),
-                    timeout_s=self.timeout_s,
-                    caller=caller,
-                )
-                reports = [json.loads(r) for r in seen]
-                failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
-                if failure is not None:
-                    raise failure
-                if failed:
-                    raise RuntimeError(
-                        f"{caller}: process {failed[0][0]} could not restore {entry.path} "
-                        f"({failed[0][1].removeprefix('failed: ')})."
-                    )
-                if any(path != entry.path or o == "gone" for path, o in reports):
-                    outcome = "gone"  # listings differ, or one raced retention: list again
-                else:
-                    bad = [o for _, o in reports if o != "ok"]
-                    if bad and outcome == "ok":
-                        outcome = bad[0]
-                        skipped[entry.path] = _errors.CheckpointFormatError(
-                            f"{entry.path}: another process found it {bad[0]}"
-                        )
-            if outcome == "ok":
-                for path, error in skipped.items():
-                    warnings.warn(
-                        f"{caller}: skipped the corrupt checkpoint {path} ({error}); restored "
-                        f"step {entry.text} from {entry.path} instead. Pass fallback=False "
-                        "to raise instead.",
-                        UnreadableCheckpointWarning,
-                        stacklevel=3,
-                    )
-                return restored
-            if outcome == "gone":
-                relists += 1
-                if relists == RESTORE_ATTEMPTS:
-                    raise FileNotFoundError(
-                        f"{caller}: the checkpoints of {self.directory} kept changing while "
-                        f"being restored ({entry.path} vanished)"
-                    )
-                listing = _preferred(self._listing())
 
     def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
         steps = [(e.value, e.text) for e in entries]

@@ -1,0 +1,117 @@
+"""Restoring a manager's newest checkpoint that verifies: a corrupt latest checkpoint
+(truncated, a failed checksum, a missing piece) is skipped with a warning naming it, and
+the processes of a multi-process job skip the same ones."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+
+from . import _coordination, _directory, _errors, _storage
+from ._restore import RESTORE_ATTEMPTS, restore_entry
+
+T = TypeVar("T")
+
+
+class UnreadableCheckpointWarning(UserWarning):
+    """A checkpoint in a manager's directory could not be read: while ranking by metric it
+    counts as having no metric (it is kept only as one of the latest); when
+    `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
+    that verifies instead, and this warning names each one skipped."""
+
+
+def preferred(listing: list[_directory.Entry]) -> list[_directory.Entry]:
+    """One entry per step (the listing's preferred spelling), oldest first."""
+    return list({e.value: e for e in listing}.values())
+
+
+def restore_latest_that_verifies(
+    store: _storage.Storage,
+    directory: str,
+    list_checkpoints: Callable[[], list[_directory.Entry]],
+    target: T,
+    options: dict[str, Any],
+    *,
+    timeout_s: int | float,
+) -> T:
+    """`target` restored from the newest checkpoint in `directory` that restores without a
+    `CheckpointFormatError` (`options` as for `restore_entry`), warning for each one
+    skipped; `list_checkpoints` lists the directory again when a checkpoint vanishes
+    (retention). The processes of a multi-process job decide together, each waiting at
+    most `timeout_s` for the others."""
+    caller = "CheckpointManager.restore"
+    skipped: dict[str, _errors.CheckpointFormatError] = {}
+    multiprocess = jax.process_count() > 1
+    relists = 0
+    listing = preferred(list_checkpoints())
+    while True:
+        candidates = [e for e in reversed(listing) if e.path not in skipped]
+        if not candidates:
+            if skipped:
+                listed = "; ".join(f"{p}: {e}" for p, e in skipped.items())
+                raise _errors.CheckpointFormatError(
+                    f"{caller}: no checkpoint in {directory} verifies: {listed}"
+                )
+            return target
+        entry = candidates[0]
+        outcome, restored, failure = "ok", target, None
+        try:
+            restored = restore_entry(store, entry, target, **options)
+        except _errors.CheckpointFormatError as error:
+            skipped[entry.path] = error
+            outcome = f"corrupt: {error}"
+        except FileNotFoundError:
+            outcome = "gone"
+        except Exception as error:  # e.g. a target mismatch: no fallback
+            if not multiprocess:
+                raise
+            failure, outcome = error, f"failed: {type(error).__name__}: {error}"
+        if multiprocess:
+            # Each process reads only its devices' pieces: a corruption one of them
+            # sees must make every one skip that checkpoint.
+            seen = _coordination.gather(
+                _coordination.next_id("restore_fallback"),
+                json.dumps([entry.path, outcome]),
+                timeout_s=timeout_s,
+                caller=caller,
+            )
+            reports = [json.loads(r) for r in seen]
+            failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
+            if failure is not None:
+                raise failure
+            if failed:
+                raise RuntimeError(
+                    f"{caller}: process {failed[0][0]} could not restore {entry.path} "
+                    f"({failed[0][1].removeprefix('failed: ')})."
+                )
+            if any(path != entry.path or o == "gone" for path, o in reports):
+                outcome = "gone"  # listings differ, or one raced retention: list again
+            else:
+                bad = [o for _, o in reports if o != "ok"]
+                if bad and outcome == "ok":
+                    outcome = bad[0]
+                    skipped[entry.path] = _errors.CheckpointFormatError(
+                        f"{entry.path}: another process found it {bad[0]}"
+                    )
+        if outcome == "ok":
+            for path, error in skipped.items():
+                warnings.warn(
+                    f"{caller}: skipped the corrupt checkpoint {path} ({error}); restored "
+                    f"step {entry.text} from {entry.path} instead. Pass fallback=False "
+                    "to raise instead.",
+                    UnreadableCheckpointWarning,
+                    stacklevel=3,
+                )
+            return restored
+        if outcome == "gone":
+            relists += 1
+            if relists == RESTORE_ATTEMPTS:
+                raise FileNotFoundError(
+                    f"{caller}: the checkpoints of {directory} kept changing while "
+                    f"being restored ({entry.path} vanished)"
+                )
+            listing = preferred(list_checkpoints())
