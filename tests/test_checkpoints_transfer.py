@@ -86,7 +86,45 @@ def test_host_snapshot_copies_every_leaf_to_host_memory_now():
     np.testing.assert_array_equal(values["n"], np.zeros(3))
 
 
+def _as_on_an_accelerator(monkeypatch):
+    """Devices whose memory is not host memory: `"auto"` then copies on the device (a CPU
+    device's buffers are held in place instead, which needs no memory)."""
+    monkeypatch.setattr(_transfer, "_reads_in_place", lambda platform: False)
+
+
+def test_auto_snapshot_on_a_cpu_device_holds_the_buffers_in_place(monkeypatch):
+    monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 0)  # no memory needed
+    state = _state()
+    tensors = _tensors(state)
+    snaps = _transfer.snapshot(tensors, "auto", caller="test", warn=_no_warning)
+    for tensor, snap in zip(tensors, snaps, strict=True):
+        np.testing.assert_array_equal(snap.get(), np.asarray(tensor.get()))
+        assert snap.source is None
+    by_name = {t.name: t for t in snaps}
+    # No copy: the value read is the caller's buffer itself.
+    assert by_name["one"].get().ctypes.data == state["one"].unsafe_buffer_pointer()
+    assert isinstance(by_name["sharded"].get, _transfer.Pins)
+
+
+def test_pinned_buffers_survive_a_donating_step_and_are_let_go_once_released():
+    state = {"w": jnp.arange(1000.0) + 1, "b": jnp.full((4, 4), 2, jnp.int32) + 0}
+    expected = {k: np.array(v) for k, v in state.items()}
+    snaps = _transfer.snapshot(_tensors(state), "auto", caller="test", warn=_no_warning)
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
+    new = step(state)  # the runtime does not donate a buffer a view holds: it copies
+    jax.block_until_ready(new)
+    assert not any(leaf.is_deleted() for leaf in state.values())
+    for snap in snaps:
+        np.testing.assert_array_equal(snap.get(), expected[snap.name])
+    np.testing.assert_array_equal(np.asarray(new["w"]), expected["w"] * 3 + 1)
+    for snap in snaps:
+        snap.get.release()
+    step(state)  # nothing holds the buffers now: really donated
+    assert all(leaf.is_deleted() for leaf in state.values())
+
+
 def test_auto_snapshot_falls_back_to_the_host_when_device_memory_is_short(monkeypatch):
+    _as_on_an_accelerator(monkeypatch)
     monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 1000)
     state = {"w": jnp.arange(1000.0)}  # 8000 bytes: more than 80% of 1000 free
     warn = _transfer.WarnOnce()
@@ -101,11 +139,12 @@ def test_auto_snapshot_falls_back_to_the_host_when_device_memory_is_short(monkey
 
 
 def test_auto_snapshot_stays_on_the_device_when_it_fits(monkeypatch):
+    _as_on_an_accelerator(monkeypatch)
     monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 1 << 30)
     copies = _transfer.snapshot(
         _tensors({"w": jnp.arange(1000.0)}), "auto", caller="test", warn=_no_warning
     )
-    assert copies[0].owned
+    assert copies[0].owned and isinstance(copies[0].source, jax.Array)
 
 
 def test_device_snapshot_is_forced_even_when_memory_looks_short(monkeypatch):

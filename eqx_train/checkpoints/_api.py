@@ -88,7 +88,9 @@ def save_checkpoint(
       until each leaf is written); `"host"`: a copy in host memory, leaf by leaf, before
       returning (blocks for the transfer; costs 1× the state in host memory); `"auto"`
       (default): on the devices when the copy fits in their free memory, else on the host,
-      with a warning the first time. NumPy and scalar leaves are always copied on the host.
+      with a warning the first time; on CPU devices, no copy: their buffers are held in
+      place (the runtime does not donate them) until written. NumPy and scalar leaves are
+      always copied on the host.
       Ignored without `async_manager`.
     - `host_window_bytes`: the most leaf bytes the save holds on the host at once (at least
       one leaf); default 256 MiB. The next leaves' transfers run while earlier ones are

@@ -80,7 +80,8 @@ def dtype_code(dtype: Any, name: str, caller: str) -> str:
 class Tensor:
     """One tensor to write: its name, a way to get its NumPy value, and the array it came
     from (a `jax.Array` whose shards a multi-process save writes piece by piece). `owned`:
-    the source is a snapshot copy made for this save, which the writer frees once written."""
+    the source is a snapshot copy made for this save (or `get` holds the caller's buffers in
+    place, `_transfer.Pins`), which the writer frees once written."""
 
     name: str
     get: Callable[[], np.ndarray]

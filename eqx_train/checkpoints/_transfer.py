@@ -6,7 +6,9 @@ Two promises live here:
   copies its array leaves on their own devices (one jitted copy per set of devices, no
   donation, same shardings) and returns; the caller may then donate or overwrite its
   buffers. Before copying, the free device memory is checked; a snapshot that would not fit
-  is taken on the host instead, and a warning says so once.
+  is taken on the host instead, and a warning says so once. On CPU devices `"auto"` copies
+  nothing: NumPy views hold the buffers in place (`Pins`), which the runtime then never
+  donates, until each leaf is written.
 - **The host holds a bounded window of leaf bytes.** A save moves leaves to the host a few
   at a time, in order, starting the transfers of the next leaves (into pinned host memory,
   several in flight) before the writer consumes the current one, and lets each leaf's host
@@ -267,11 +269,17 @@ def snapshot(
     `"device"`: array leaves copied on their devices (the copies are owned by the save and
     freed as it writes them); `"host"`: every leaf copied to host memory now, leaf by leaf;
     `"auto"`: on the devices if the copy fits in their free memory, else on the host with a
-    message to `warn`. Non-array leaves (NumPy arrays, scalars) are always copied on the
-    host.
+    message to `warn`; on CPU devices, the buffers held in place (`Pins`, released by the
+    final pass of `host_arrays`). Non-array leaves (NumPy arrays, scalars) are always copied
+    on the host.
     """
     sources = [_device_source(t) for t in tensors]
-    on_device = [s for s in sources if s is not None]
+    # On a CPU device the cheapest snapshot is no copy at all: NumPy views of its buffers,
+    # held until the save is written, and the runtime never donates a buffer that such a
+    # view references (a donating step gets fresh memory instead, as it would while a device
+    # copy is held). Only where the choice is ours ("auto"): "device" still copies.
+    pinned = {id(s): Pins(s) for s in sources if s is not None and mode == "auto" and _pinnable(s)}
+    on_device = [s for s in sources if s is not None and id(s) not in pinned]
     if mode == "auto" and on_device:
         fits, why = snapshot_fits(on_device)
         if not fits:
@@ -282,7 +290,11 @@ def snapshot(
             )
             mode = "host"
     copies = _copy_on_devices(on_device) if mode != "host" else {}
-    on_host = [t for t, s in zip(tensors, sources, strict=True) if s is None or id(s) not in copies]
+    on_host = [
+        t
+        for t, s in zip(tensors, sources, strict=True)
+        if s is None or (id(s) not in copies and id(s) not in pinned)
+    ]
     values = {}
     # Through the window: pinned staging a few leaves at a time, then pageable copies.
     with contextlib.closing(host_arrays(on_host, current_window(), final=False)) as leaves:
@@ -293,11 +305,51 @@ def snapshot(
         if tensor.name in values:
             get = lambda v=values[tensor.name]: v  # noqa: E731
             result.append(replace(tensor, get=get, source=None, owned=False))
+        elif source is not None and id(source) in pinned:
+            result.append(replace(tensor, get=pinned[id(source)], source=None, owned=True))
         else:
             copy = copies[id(source)]
             get = lambda c=copy: np.asarray(c)  # noqa: E731
             result.append(replace(tensor, get=get, source=copy, owned=True))
     return result
+
+
+def _pinnable(array: jax.Array) -> bool:
+    """Whether `array`'s bytes can be held in place: on this process's CPU devices only, in
+    a dtype NumPy knows (not a PRNG key's)."""
+    return (
+        array.is_fully_addressable
+        and all(_reads_in_place(d.platform) for d in array.sharding.device_set)
+        and isinstance(array.dtype, np.dtype)  # not an extended dtype
+    )
+
+
+class Pins:
+    """The shards of an array on CPU devices, held in place: NumPy views that share its
+    buffers and keep every replica from being donated while they live. Called, it gives
+    the array's whole value (its one shard's view as it is, else the first replica of each
+    shard copied into place); `release()` lets the buffers go once the value is written."""
+
+    def __init__(self, array: jax.Array) -> None:
+        self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+        self.views: list[tuple[Any, int, np.ndarray]] | None = [
+            (shard.index, shard.replica_id, np.asarray(shard.data))
+            for shard in array.addressable_shards
+        ]
+
+    def __call__(self) -> np.ndarray:
+        if self.views is None:
+            raise RuntimeError("the pinned buffers were released before being read")
+        if len(self.views) == 1:
+            return self.views[0][2]
+        value = np.empty(self.shape, self.dtype)
+        for index, replica, view in self.views:
+            if replica == 0:
+                value[index] = view
+        return value
+
+    def release(self) -> None:
+        self.views = None
 
 
 def _copy_on_devices(arrays: Sequence[jax.Array]) -> dict[int, jax.Array]:
@@ -450,7 +502,9 @@ def host_arrays(
             finally:
                 value = None
                 window.release(nbytes)
-                if final and tensor.owned and not tensor.source.is_deleted():
+                if final and isinstance(tensor.get, Pins):
+                    tensor.get.release()  # the caller's buffers, held in place until now
+                elif final and tensor.owned and not tensor.source.is_deleted():
                     # Read in place (a CPU device): a NumPy view the caller may still hold
                     # keeps the bytes alive; the runtime frees them once it is dropped.
                     tensor.source.delete()
