@@ -73,9 +73,26 @@ def _flatten(tree, prefix=""):
         yield prefix.rstrip("."), np.asarray(tree)
 
 
+@pytest.fixture(scope="module")
+def mesh_stopped_after_one_epoch(tmp_path_factory):
+    """A workdir where the mesh mode trained epoch 0 and stopped (`--stop-after 1`), and
+    what it printed: a start both the resume test and the mode-switch test continue from
+    (each on its own copy), run once."""
+    workdir = tmp_path_factory.mktemp("mesh-stopped") / "work"
+    return workdir, _run(workdir, "--parallel", "mesh", "--stop-after", "1")
+
+
+def _copy_of(stopped, tmp_path):
+    workdir, out = stopped
+    shutil.copytree(workdir, tmp_path / "work")
+    return tmp_path / "work", out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["mesh", "pmap"])
-def test_example_trains_plots_checkpoints_and_resumes_exactly(tmp_path, parallel):
+def test_example_trains_plots_checkpoints_and_resumes_exactly(
+    tmp_path, parallel, mesh_stopped_after_one_epoch
+):
     mode = ["--parallel", parallel]
     straight = tmp_path / "straight"
     out = _run(straight, *mode)
@@ -88,8 +105,11 @@ def test_example_trains_plots_checkpoints_and_resumes_exactly(tmp_path, parallel
     # by that rule, as in flax).
     assert checkpoints.available_steps(straight / "checkpoints") == [1, 2]
 
-    resumed = tmp_path / "resumed"
-    first = _run(resumed, *mode, "--stop-after", "1")
+    if parallel == "mesh":
+        resumed, first = _copy_of(mesh_stopped_after_one_epoch, tmp_path)
+    else:
+        resumed = tmp_path / "resumed"
+        first = _run(resumed, *mode, "--stop-after", "1")
     assert "stopping after 1 epoch(s)" in first and "test accuracy" not in first
     second = _run(resumed, *mode)
     assert "resuming from" in second and "at epoch 1" in second
@@ -107,12 +127,11 @@ def test_example_trains_plots_checkpoints_and_resumes_exactly(tmp_path, parallel
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_mesh_and_pmap_modes(tmp_path):
+def test_checkpoints_move_between_mesh_and_pmap_modes(tmp_path, mesh_stopped_after_one_epoch):
     # mesh writes epoch 0; pmap resumes from it and trains epochs 1-2; mesh then resumes
     # from pmap's final checkpoint (nothing left to train) and must score the same weights
     # exactly as pmap did.
-    workdir = tmp_path / "work"
-    first = _run(workdir, "--parallel", "mesh", "--stop-after", "1")
+    workdir, first = _copy_of(mesh_stopped_after_one_epoch, tmp_path)
     assert "stopping after 1 epoch(s)" in first
     saved_epoch_0 = dict(_flatten(_final_state(workdir)[0]))
     shutil.copytree(workdir / "checkpoints", tmp_path / "epoch0")
