@@ -176,6 +176,16 @@ def test_manager_restore_passes_config_and_filter_spec(tmp_path):
             assert taken.model.dropout.p == 0.1
 
 
+def test_manager_restore_refuses_an_unknown_config_on_every_path(tmp_path, without_type_checks):
+    manager = checkpoints.CheckpointManager(
+        tmp_path, keep_best=1, best_metric="loss", handle_sigterm=False
+    )
+    manager.save(1, _state(p=0.1, seed=1), metrics={"loss": 1.0})
+    for step, fallback in [(None, True), (None, False), (1, True), ("best", True)]:
+        with pytest.raises(ValueError, match=r"config must be one of .*'taget'"):
+            manager.restore(_state(p=0.3), step, config="taget", fallback=fallback)
+
+
 def test_manager_restore_of_the_best_passes_config(tmp_path):
     manager = checkpoints.CheckpointManager(
         tmp_path, keep_best=1, best_metric="loss", handle_sigterm=False

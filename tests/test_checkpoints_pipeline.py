@@ -179,6 +179,82 @@ def test_the_pinned_host_transfer_path_saves_bit_exactly_within_the_window(
     assert_trees_equal(checkpoints.restore_checkpoint(directory, None), expected)
 
 
+# ---------------------------------------------- what a snapshot holds, and until when
+
+
+SNAPSHOTS = ["auto", "device", "host"]
+
+
+@pytest.mark.parametrize("snapshot", SNAPSHOTS)
+def test_a_leaf_that_appears_twice_is_saved_twice_by_an_async_save(tmp_path, snapshot):
+    shared = jnp.arange(8.0) + 1
+    state = {"params": shared, "ema_params": shared, "other": jnp.zeros(3)}
+    expected = _host_copy(state)
+    manager = checkpoints.AsyncManager()
+    checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot=snapshot)
+    manager.wait_previous_save()
+    assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, None), expected)
+
+
+@pytest.mark.parametrize("snapshot", SNAPSHOTS)
+def test_an_upload_tried_again_rereads_the_snapshot(snapshot, monkeypatch):
+    """A store that answers 501 to a conditional write: the upload is made again without
+    the condition, and reads every leaf again (after the snapshot's first two passes)."""
+    from eqx_train.checkpoints import _api, _object_storage
+    from tests.test_object_store_races import FakeS3
+
+    fs = FakeS3()
+    fs.refuse_conditions = True
+    monkeypatch.setattr(
+        _api._locations,
+        "resolve",
+        lambda path, options=None, *, caller: (_object_storage.ObjectStorage("s3", fs), path),
+    )
+    state = _device_state(leaves=3, leaf_mib=1 / 8)
+    expected = _host_copy(state)
+    manager = checkpoints.AsyncManager()
+    url = "s3://b/run"
+    checkpoints.save_checkpoint(url, state, 1, async_manager=manager, snapshot=snapshot)
+    manager.wait_previous_save()
+    assert fs.opened_modes == ["xb", "wb"]  # tried again, without the condition
+    assert_trees_equal(checkpoints.restore_checkpoint(url, None), expected)
+
+
+@pytest.mark.parametrize("snapshot", SNAPSHOTS)
+def test_a_failed_async_save_lets_go_of_its_snapshot(tmp_path, monkeypatch, snapshot):
+    state = {f"l{i}": jnp.full(1000, i, jnp.float32) for i in range(4)}
+    gc.collect()
+    before = len(jax.live_arrays())
+    pins = []
+    real_pins = _transfer.Pins
+
+    class Recorded(real_pins):
+        def __init__(self, array):
+            super().__init__(array)
+            pins.append(self)
+
+    monkeypatch.setattr(_transfer, "Pins", Recorded)
+
+    def disk_full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_format, "write_all", disk_full)
+    manager = checkpoints.AsyncManager()
+    checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot=snapshot)
+    with pytest.raises(OSError, match="No space left") as failure:
+        manager.wait_previous_save()
+    gc.collect()
+    # The error (and its traceback) is still held here, as a user's handler would hold it.
+    assert failure.value.__traceback__ is not None
+    assert len(jax.live_arrays()) == before  # no device copy survives
+    assert all(p.views is None for p in pins)  # no buffer stays pinned
+    assert (snapshot == "auto") == bool(pins)
+    monkeypatch.undo()
+    checkpoints.save_checkpoint(tmp_path, state, 2, async_manager=manager, snapshot=snapshot)
+    manager.wait_previous_save()
+    assert checkpoints.available_steps(tmp_path) == [2]
+
+
 # ------------------------------------------------------------------ device memory
 
 

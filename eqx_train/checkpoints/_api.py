@@ -271,8 +271,11 @@ def save_pipeline(
             after_commit()
 
     def commit_within_window() -> None:
-        with _transfer.host_window_bytes(host_window_bytes):
-            commit()
+        try:
+            with _transfer.host_window_bytes(host_window_bytes):
+                commit()
+        finally:
+            _transfer.release(tensors)  # what the snapshot still holds, written or not
 
     if async_manager is not None:
         async_manager.save_async(commit_within_window)

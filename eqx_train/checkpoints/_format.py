@@ -211,7 +211,7 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     exactly the first one's length). A stream cannot be rewritten, so there the leaves go
     through the pipeline twice: once to hash them for the header, once to write them
     (hashed again: a leaf that changed in between is refused rather than written under a
-    wrong checksum).
+    wrong checksum); neither pass frees the snapshot, since the upload may be retried.
     """
     window = _transfer.current_window()
     if isinstance(out, int):
@@ -222,7 +222,9 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
         for t, array in leaves:
             digests.append(checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array)))
     out.write(_encode_header(tensors, metadata, digests))
-    with closing(_transfer.host_arrays(tensors, window)) as leaves:
+    # Not the final pass either: an upload may be tried again (a store that refuses
+    # conditional writes), so the snapshot is let go by the save once it is over.
+    with closing(_transfer.host_arrays(tensors, window, final=False)) as leaves:
         for (t, array), digest in zip(leaves, digests, strict=True):
             check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
             for block in _chunks(_as_bytes(array), _STREAM_CHUNK):

@@ -481,6 +481,7 @@ class CheckpointManager:
         checkpoint to fall back to, so a corruption only one process reads makes all of
         them skip it.
         """
+        _selection.check_config(config, "CheckpointManager.restore")
         self.wait()
         options: dict[str, Any] = {
             "config": config,

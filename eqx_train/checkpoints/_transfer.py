@@ -300,18 +300,34 @@ def snapshot(
     with contextlib.closing(host_arrays(on_host, current_window(), final=False)) as leaves:
         for tensor, value in leaves:
             values[tensor.name] = np.array(value, copy=True)
+    # A leaf that appears twice in the tree (tied weights) shares its pins or device copy:
+    # only its last tensor owns them, so they are let go after its last use.
+    last_use = {id(s): i for i, s in enumerate(sources) if s is not None}
     result = []
-    for tensor, source in zip(tensors, sources, strict=True):
+    for i, (tensor, source) in enumerate(zip(tensors, sources, strict=True)):
+        owner = source is not None and last_use[id(source)] == i
         if tensor.name in values:
             get = lambda v=values[tensor.name]: v  # noqa: E731
             result.append(replace(tensor, get=get, source=None, owned=False))
         elif source is not None and id(source) in pinned:
-            result.append(replace(tensor, get=pinned[id(source)], source=None, owned=True))
+            result.append(replace(tensor, get=pinned[id(source)], source=None, owned=owner))
         else:
             copy = copies[id(source)]
             get = lambda c=copy: np.asarray(c)  # noqa: E731
-            result.append(replace(tensor, get=get, source=copy, owned=True))
+            result.append(replace(tensor, get=get, source=copy, owned=owner))
     return result
+
+
+def release(tensors: Sequence[Tensor]) -> None:
+    """Lets go of what a snapshot holds for the save of `tensors` (pinned buffers, device
+    copies), whatever is left of it: after the save, written or failed, so that a failed
+    save's snapshot does not live on in its traceback."""
+    for tensor in tensors:
+        if isinstance(tensor.get, Pins):
+            tensor.get.release()
+        elif tensor.owned and isinstance(tensor.source, jax.Array):
+            if not tensor.source.is_deleted():
+                tensor.source.delete()
 
 
 def _pinnable(array: jax.Array) -> bool:
@@ -502,7 +518,7 @@ def host_arrays(
             finally:
                 value = None
                 window.release(nbytes)
-                if final and isinstance(tensor.get, Pins):
+                if final and tensor.owned and isinstance(tensor.get, Pins):
                     tensor.get.release()  # the caller's buffers, held in place until now
                 elif final and tensor.owned and not tensor.source.is_deleted():
                     # Read in place (a CPU device): a NumPy view the caller may still hold
