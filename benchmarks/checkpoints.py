@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _timing import PeakRSS, print_table  # noqa: E402
+from _timing import PeakRSS, print_table, write_and_fsync  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
 
@@ -55,16 +55,7 @@ def drop_dir(path: str) -> None:
 
 
 def raw_save(tree, directory):
-    path = os.path.join(directory, "raw.bin")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for leaf in tree.values():
-            view = np.asarray(leaf).reshape(-1).view(np.uint8).data
-            while len(view):
-                view = view[os.write(fd, view[: 1 << 30]) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_and_fsync(os.path.join(directory, "raw.bin"), (np.asarray(x) for x in tree.values()))
 
 
 def raw_restore(tree, directory):

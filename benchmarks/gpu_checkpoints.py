@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _timing import PeakRSS, print_table  # noqa: E402
+from _timing import PeakRSS, print_table, write_and_fsync  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
 from eqx_train.checkpoints import _transfer  # noqa: E402
@@ -117,16 +117,7 @@ def eqx_sync(state, directory) -> float:
 def raw_sync(state, directory) -> float:
     start = time.perf_counter()
     host = jax.device_get(state)
-    path = os.path.join(directory, "raw.bin")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for leaf in host.values():
-            view = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).data
-            while len(view):
-                view = view[os.write(fd, view[: 1 << 30]) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_and_fsync(os.path.join(directory, "raw.bin"), host.values())
     return time.perf_counter() - start
 
 
