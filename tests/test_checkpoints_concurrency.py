@@ -150,7 +150,10 @@ def race(tmp_path, roles, *, overwrite, steps="parity"):
         for child in children:
             line = child.stdout.readline()
             assert line.strip() == "READY", line + child.stdout.read()[-3000:]
-        go.write_text(str(time.time() + RACE_S))
+        # Written aside and renamed: a child polling for `go` must never read it empty.
+        ready = tmp_path / "go.tmp"
+        ready.write_text(str(time.time() + RACE_S))
+        os.replace(ready, go)
         outputs = [child.communicate(timeout=RACE_S + 120)[0] for child in children]
     finally:
         for child in children:

@@ -348,10 +348,15 @@ class Pins:
 
     def __init__(self, array: jax.Array) -> None:
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
-        self.views: list[tuple[Any, int, np.ndarray]] | None = [
-            (shard.index, shard.replica_id, np.asarray(shard.data))
-            for shard in array.addressable_shards
-        ]
+        self.views: list[tuple[Any, int, np.ndarray]] | None
+        if len(array.sharding.device_set) == 1:
+            # Directly: some JAX versions keep every `shard.data` made alive with the array.
+            self.views = [(tuple(slice(0, d) for d in array.shape), 0, np.asarray(array))]
+        else:
+            self.views = [
+                (shard.index, shard.replica_id, np.asarray(shard.data))
+                for shard in array.addressable_shards
+            ]
 
     def __call__(self) -> np.ndarray:
         if self.views is None:
