@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -381,20 +381,28 @@ def _flax_steps(src: str, prefix: str) -> list[tuple[str, int | float]]:
 
 
 def _convert_flax(args: argparse.Namespace) -> int:
-    from .checkpoints import save_checkpoint
     from .interop import load_flax_checkpoint
 
-    found = _flax_steps(args.src, args.prefix)
-    for path, step in found:
+    found = [(step, path) for path, step in _flax_steps(args.src, args.prefix)]
+    return _convert_each(found, load_flax_checkpoint, args)
+
+
+def _convert_each(
+    found: list[tuple[Any, str]], load: Callable[[str], Any], args: argparse.Namespace
+) -> int:
+    """Loads each `(step, source)` in turn and saves it into DST as that step."""
+    from .checkpoints import save_checkpoint
+
+    for step, source in found:
         try:
-            tree = load_flax_checkpoint(path)
+            tree = load(source)
             # Retention off: converting must never delete what DST already holds.
             written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=2**62)
         except (CheckpointFormatError, CommandError):
             raise
         except (OSError, ValueError, TypeError) as error:
-            raise CommandError(f"{path}: {_one_line(error)}") from error
-        print(f"{path} -> {written}")
+            raise CommandError(f"{source}: {_one_line(error)}") from error
+        print(f"{source} -> {written}")
     return 0
 
 
@@ -402,7 +410,7 @@ def _convert_flax(args: argparse.Namespace) -> int:
 
 
 def _convert_orbax(args: argparse.Namespace) -> int:
-    from .checkpoints import available_steps, save_checkpoint
+    from .checkpoints import available_steps
     from .interop import load_orbax_checkpoint
 
     if not os.path.lexists(args.src):
@@ -419,17 +427,7 @@ def _convert_orbax(args: argparse.Namespace) -> int:
             "interrupted conversion? its finished steps are valid: convert into a new DST "
             "and move them over, or pass the remaining step directories one by one)"
         )
-    for step, directory in found:
-        try:
-            tree = load_orbax_checkpoint(directory)
-            # Retention off: converting must never delete what DST already holds.
-            written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=2**62)
-        except (CheckpointFormatError, ImportError):
-            raise
-        except (OSError, ValueError, TypeError) as error:
-            raise CommandError(f"{directory}: {_one_line(error)}") from error
-        print(f"{directory} -> {written}")
-    return 0
+    return _convert_each(found, load_orbax_checkpoint, args)
 
 
 # ------------------------------------------------------------------------------ main

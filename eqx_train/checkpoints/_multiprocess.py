@@ -1,19 +1,11 @@
 """Multi-process saves on `jax.distributed`: which pieces each process writes, and the
-commit protocol. (`_shards` reads the layout back.)
+commit protocol. (`_shards` describes the layout and reads it back.)
 
-Layout of a `.shards` checkpoint (see docs/checkpoint_format.md):
-
-    {prefix}{step}.shards/
-        index.safetensors                      the commit: no tensors; metadata holds the
-                                               tree, step, and every array's pieces
-        process_00000.{token}.safetensors      the pieces process 0 owns (plain safetensors)
-        process_00001.{token}.safetensors      ...
-
-The directory (on an object store: the key prefix) counts as a checkpoint only once its
-index exists. The index is written last, by process 0, atomically (a temporary file renamed
-over the old index; on an object store, one upload that appears whole): an overwrite
-switches from the old pieces to the new ones in one step, so a crash leaves the old
-checkpoint or the new one, never neither.
+A `.shards` directory (on an object store: the key prefix) counts as a checkpoint only once
+its index exists. The index is written last, by process 0, atomically (a temporary file
+renamed over the old index; on an object store, one upload that appears whole): an
+overwrite switches from the old pieces to the new ones in one step, so a crash leaves the
+old checkpoint or the new one, never neither.
 
 The processes synchronise through the coordination service `jax.distributed` runs (see
 `_coordination`), never through files: no step needs a shared POSIX directory.
