@@ -129,3 +129,22 @@ def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: flo
                 process.kill()
                 process.wait()
     return [(p.returncode, out) for p, out in zip(processes, outputs, strict=True)]
+
+
+def assert_identical(ours: Any, theirs: Any, path: str = "<root>") -> None:
+    """Same container types, key order, leaf types, dtypes, shapes and bytes (a NaN scalar
+    matches a NaN scalar): what a reader of another library's checkpoint must return."""
+    assert type(ours) is type(theirs), f"{path}: {type(ours)} != {type(theirs)}"
+    if isinstance(theirs, dict):
+        assert list(ours) == list(theirs), f"{path}: keys {list(ours)} != {list(theirs)}"
+        for key in theirs:
+            assert_identical(ours[key], theirs[key], f"{path}.{key}")
+    elif isinstance(theirs, list):
+        assert len(ours) == len(theirs), path
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_identical(a, b, f"{path}.{i}")
+    elif isinstance(theirs, np.ndarray | np.generic):
+        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), path
+        assert ours.tobytes() == theirs.tobytes(), path
+    else:
+        assert ours == theirs or (ours != ours and theirs != theirs), f"{path}: {ours!r}"

@@ -19,6 +19,7 @@ import pytest
 
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_flax_checkpoint
+from tests.helpers import assert_identical
 
 
 @pytest.fixture
@@ -35,24 +36,6 @@ def flax_checkpoints(monkeypatch):
         warnings.filterwarnings("ignore", "Flax Checkpointing will soon be deprecated")
         yield checkpoints
     flax.config.update("flax_use_orbax_checkpointing", before)
-
-
-def assert_identical(ours: Any, theirs: Any, path: str = "<root>") -> None:
-    """Same container types, key order, leaf types, dtypes, shapes and bytes."""
-    assert type(ours) is type(theirs), f"{path}: {type(ours)} != {type(theirs)}"
-    if isinstance(theirs, dict):
-        assert list(ours) == list(theirs), f"{path}: keys {list(ours)} != {list(theirs)}"
-        for key in theirs:
-            assert_identical(ours[key], theirs[key], f"{path}.{key}")
-    elif isinstance(theirs, list):
-        assert len(ours) == len(theirs), path
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_identical(a, b, f"{path}.{i}")
-    elif isinstance(theirs, np.ndarray | np.generic):
-        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), path
-        assert ours.tobytes() == theirs.tobytes(), path
-    else:
-        assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
 
 
 def save_and_compare(checkpoints, directory, tree, step=1) -> Any:

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eqx_train import TrainState
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_orbax_checkpoint
-from tests.helpers import assert_trees_equal, free_port, run_processes
+from tests.helpers import assert_identical, assert_trees_equal, free_port, run_processes
 from tests.orbax_values import two_process_values
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -42,24 +42,6 @@ def orbax_restore(path: Any) -> Any:
         return ocp.RestoreArgs(restore_type=np.ndarray) if is_array else ocp.RestoreArgs()
 
     return checkpointer.restore(path, restore_args=jax.tree.map(args, metadata))
-
-
-def assert_identical(ours: Any, theirs: Any, path: str = "<root>") -> None:
-    """Same container types, keys, leaf types, dtypes, shapes and bytes."""
-    assert type(ours) is type(theirs), f"{path}: {type(ours)} != {type(theirs)}"
-    if isinstance(theirs, dict):
-        assert list(ours) == list(theirs), f"{path}: keys {list(ours)} != {list(theirs)}"
-        for key in theirs:
-            assert_identical(ours[key], theirs[key], f"{path}.{key}")
-    elif isinstance(theirs, list):
-        assert len(ours) == len(theirs), path
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_identical(a, b, f"{path}.{i}")
-    elif isinstance(theirs, np.ndarray):
-        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), path
-        assert ours.tobytes() == theirs.tobytes(), path
-    else:
-        assert ours == theirs or (ours != ours and theirs != theirs), f"{path}: {ours!r}"
 
 
 def every_dtype() -> dict[str, Any]:
