@@ -253,49 +253,41 @@ elif mode == "desync":
         else:
             raise AssertionError(f"process {pid}: a save that process 1 failed succeeded")
 
+    def on_process_1_fail_once(module, name, error):
+        """Process 1's next call of `module.name` raises `error` (later calls are real)."""
+        real = getattr(module, name)
+
+        def fail_once(*args, **kwargs):
+            setattr(module, name, real)
+            raise error
+
+        if pid == 1:
+            setattr(module, name, fail_once)
+
     save(1, 1, timeout_s=60)
     # Process 1 fails before the opening exchange (a leaf it cannot save): every process
     # fails this save, and at once, not after the timeout.
-    real_describe = checkpoints._api._description.describe
-
-    def refuse_once(*args, **kwargs):
-        checkpoints._api._description.describe = real_describe
-        raise TypeError("injected: process 1 cannot describe its tree")
-
-    if pid == 1:
-        checkpoints._api._description.describe = refuse_once
+    describe_fails = TypeError("injected: process 1 cannot describe its tree")
+    on_process_1_fail_once(checkpoints._api._description, "describe", describe_fails)
     fails_everywhere(2, 2, "injected", "process 1 (TypeError: injected", timeout_s=60)
     save(3, 3, timeout_s=60)  # the next save works
     # The same with a fixed step and overwrite: never a checkpoint of two saves' rows.
-    if pid == 1:
-        checkpoints._api._description.describe = refuse_once
+    on_process_1_fail_once(checkpoints._api._description, "describe", describe_fails)
     fails_everywhere(3, 30, "injected", "process 1 (TypeError: injected", overwrite=True,
                      timeout_s=60)  # fmt: skip
     save(3, 31, overwrite=True, timeout_s=60)
     check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 31)
     # Process 1 fails after the opening exchange, while planning its pieces.
-    real_plan = _multiprocess.plan_pieces
-
-    def plan_fails_once(*args, **kwargs):
-        _multiprocess.plan_pieces = real_plan
-        raise MemoryError("injected: no memory for the pieces")
-
-    if pid == 1:
-        _multiprocess.plan_pieces = plan_fails_once
+    plan_fails = MemoryError("injected: no memory for the pieces")
+    on_process_1_fail_once(_multiprocess, "plan_pieces", plan_fails)
     fails_everywhere(3, 32, "injected", "process 1 (MemoryError: injected", overwrite=True,
                      timeout_s=60)  # fmt: skip
     save(3, 33, overwrite=True, timeout_s=60)
     check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 33)
     # Process 1 skips the opening exchange altogether: process 0 times out, then the
     # processes pair up again.
-    real_agree = _multiprocess.agree_on_token
-
-    def skip_once(*args, **kwargs):
-        _multiprocess.agree_on_token = real_agree
-        raise RuntimeError("injected: process 1 left before the exchange")
-
-    if pid == 1:
-        _multiprocess.agree_on_token = skip_once
+    skipped = RuntimeError("injected: process 1 left before the exchange")
+    on_process_1_fail_once(_multiprocess, "agree_on_token", skipped)
     fails_everywhere(3, 34, "injected", "processes [1] did not arrive", overwrite=True,
                      timeout_s=5)  # fmt: skip
     save(3, 35, overwrite=True, timeout_s=60)
