@@ -303,7 +303,7 @@ def numpy_rng_state(rng: np.random.Generator) -> dict[str, Any]:
 
 
 def _encode_rng(node: Any, path: tuple[str, ...]) -> Any:
-    where = ".".join(path) or "<root>"
+    where = path_to_name(path)
     if isinstance(node, dict):
         return {key: _encode_rng(value, (*path, str(key))) for key, value in node.items()}
     if isinstance(node, str):
@@ -345,7 +345,11 @@ def numpy_rng_from_state(state: dict[str, Any]) -> np.random.Generator:
     """
     name = state.get("bit_generator") if isinstance(state, dict) else None
     kind = getattr(np.random, name, None) if isinstance(name, str) else None
-    if not (isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
+    if not (
+        isinstance(kind, type)
+        and issubclass(kind, np.random.BitGenerator)
+        and kind is not np.random.BitGenerator  # the abstract base: no state of its own
+    ):
         raise ValueError(
             "numpy_rng_from_state: 'bit_generator' must name one of NumPy's bit generators "
             f"(PCG64, MT19937, ...), got {name!r}."
@@ -356,7 +360,7 @@ def numpy_rng_from_state(state: dict[str, Any]) -> np.random.Generator:
 
 
 def _decode_rng(template: Any, node: Any, path: tuple[str, ...]) -> Any:
-    where = ".".join(path) or "<root>"
+    where = path_to_name(path)
     if isinstance(template, dict):
         if not isinstance(node, dict) or set(node) != set(template):
             found = sorted(node) if isinstance(node, dict) else type(node).__name__

@@ -162,7 +162,7 @@ def test_numpy_rng_from_state_names_the_path_that_does_not_fit():
         numpy_rng_from_state(state)
 
 
-@pytest.mark.parametrize("name", ["Generator", "os", 3, "NoSuchGenerator"])
+@pytest.mark.parametrize("name", ["Generator", "os", 3, "NoSuchGenerator", "BitGenerator"])
 def test_numpy_rng_from_state_refuses_anything_but_a_bit_generator_name(name):
     state = numpy_rng_state(np.random.default_rng(0))
     state["bit_generator"] = name

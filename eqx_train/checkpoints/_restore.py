@@ -104,12 +104,6 @@ class Location(NamedTuple):
     path: str
     layout: Layout
 
-    @classmethod
-    def listed(cls, path: str) -> Location:
-        """A checkpoint a listing found: its name says its layout."""
-        sharded = path.rstrip("/" + os.sep).endswith(_names.SHARDED_SUFFIX)
-        return cls(path, "shards" if sharded else "file")
-
 
 def locate(store: Storage, path: str, *, hf: bool = False) -> Location | None:
     """What `path` holds: a checkpoint file, a committed `.shards` directory, (with `hf`) a
@@ -294,7 +288,9 @@ def restore_from(
     """
     if target is None:
         if not reader.has_description:
-            return _unflatten_names(reader.read_many(list(reader.arrays()), verify=verify))
+            return _unflatten_names(
+                reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
+            )
         description = reader.description()
         arrays = reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
         try:

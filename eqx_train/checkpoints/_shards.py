@@ -32,10 +32,6 @@ from ._storage import Storage
 _MAX_PIECES = 1 << 20
 
 
-def is_sharded_checkpoint(store: Storage, path: str) -> bool:
-    return store.is_dir(path) and store.is_file(store.join(path, INDEX_NAME))
-
-
 def referenced_pieces(store: Storage, path: str) -> set[str] | None:
     """The piece files a committed `.shards` directory's index cites; None if it has no
     index; every name in the directory if the index cannot be read (then nothing goes)."""
