@@ -122,3 +122,38 @@ def test_a_peer_dying_mid_save_to_s3_times_out_naming_it_and_commits_nothing(s3_
     keys = [p.split("/run/", 1)[1] for p in s3.find(s3_bucket.split("://")[1])]
     # Step 1's checkpoint only: process 0 took back its own piece of the abandoned step 2.
     assert {k.split("/")[0] for k in keys} == {"checkpoint_1.shards"}, keys
+
+
+@pytest.mark.parametrize("pieces", [[[[0, 2]], [[0, 2]]], [[[0, 3]]]], ids=["overlap", "hole"])
+def test_pieces_that_do_not_tile_an_array_exactly_once_are_never_committed(
+    tmp_path, monkeypatch, pieces
+):
+    """Whatever the processes write, process 0 checks the index as the reader will before
+    it commits: two pieces covering the same half (their volume still adds up) or a piece
+    missing fail the save, and the previous checkpoint stays the latest."""
+    import numpy as np
+
+    from eqx_train import checkpoints
+    from eqx_train.checkpoints import _description, _multiprocess
+
+    real_plan = _multiprocess.plan_pieces
+    checkpoints.save_checkpoint_multiprocess(tmp_path, {"x": np.zeros(4)}, 1)
+
+    def plan(tensors, process):
+        (tensor,), where = tensors, {}
+        planned = []
+        for k, ranges in enumerate(pieces):
+            shape = tuple(b - a for a, b in ranges)
+            name = f"x.piece{k}"
+            value = np.ones(shape)
+            planned.append(_description.Tensor(name, lambda v=value: v, tensor.dtype, shape))
+            where[name] = {"leaf": tensor.name, "index": ranges}
+        return planned, where
+
+    monkeypatch.setattr(_multiprocess, "plan_pieces", plan)
+    with pytest.raises(RuntimeError, match=r"save_checkpoint_multiprocess: the processes' pieces"):
+        checkpoints.save_checkpoint_multiprocess(tmp_path, {"x": np.ones(4)}, 2)
+    monkeypatch.setattr(_multiprocess, "plan_pieces", real_plan)
+    assert checkpoints.available_steps(tmp_path) == [1]
+    restored = checkpoints.restore_checkpoint(tmp_path, {"x": np.ones(4)})
+    assert (restored["x"] == 0).all()

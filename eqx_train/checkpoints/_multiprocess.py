@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -442,11 +441,8 @@ def _collect_index(
             arrays[piece["leaf"]]["pieces"].append(
                 {"file": file_name, "tensor": tensor_name, "index": piece["index"]}
             )
-    for leaf, entry in arrays.items():
-        covered = sum(math.prod(b - a for a, b in p["index"]) for p in entry["pieces"])
-        if covered != math.prod(entry["shape"]) or (not entry["shape"] and not entry["pieces"]):
-            raise RuntimeError(
-                f"{caller}: the processes wrote {covered} of {math.prod(entry['shape'])} "
-                f"elements of '{leaf}'; some shard has no owner."
-            )
-    return arrays
+    # The reader's own check, before the commit: each array tiled by its pieces exactly
+    # once (a shard with no owner, or with two, would commit an unreadable checkpoint).
+    return _shards.validate_arrays(
+        arrays, lambda why: RuntimeError(f"{caller}: the processes' pieces do not fit: {why}.")
+    )

@@ -46,7 +46,7 @@ def referenced_pieces(store: Storage, path: str) -> set[str] | None:
         return {item.name for item in store.list(path)}
 
 
-def _validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict[str, Any]]:
+def validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict[str, Any]]:
     """Checks a whole index before anything is opened or allocated: names, dtypes, shapes,
     piece files (plain names of this library's form, never a path), and that each array's
     pieces lie inside it and tile it exactly once."""
@@ -145,7 +145,7 @@ class ShardedReader(ReaderBase):
             raw = self.index.metadata.get(ARRAYS_KEY)
             if raw is None:
                 raise self.bad("its index has no array table")
-            self._arrays = _validate_arrays(parse_json(raw, "the array table", self.bad), self.bad)
+            self._arrays = validate_arrays(parse_json(raw, "the array table", self.bad), self.bad)
             self.metadata = self.index.metadata
             # Locally, open (and so pin) every piece file now: an overwrite that commits
             # meanwhile cannot pull them away, and each header is checked against the index.
