@@ -188,6 +188,12 @@ def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention
     return retention
 
 
+def preferred(listing: list[Entry]) -> list[Entry]:
+    """One entry per step, oldest first: of several spellings of a step, the one a listing
+    prefers (its order puts that one last)."""
+    return list({e.value: e for e in listing}.values())
+
+
 def apply_retention(
     store: Storage,
     ckpt_dir: str,
@@ -206,11 +212,9 @@ def apply_retention(
     if overwrite:
         doomed += [e for e in listing if e.value > new_value]
     live = [e for e in listing if e not in doomed]
-    preferred: dict[Decimal, Entry] = {}
-    for e in live:
-        preferred[e.value] = e  # the listing's order puts the preferred spelling last
-    by_text = {e.text: e.value for e in preferred.values()}
-    values = {by_text[text] for text in retention(list(preferred.values()))}
+    one_each = preferred(live)
+    by_text = {e.text: e.value for e in one_each}
+    values = {by_text[text] for text in retention(one_each)}
     doomed += [e for e in live if e.value in values]
     for entry in doomed:
         if entry.path != just_written:

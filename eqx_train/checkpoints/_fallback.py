@@ -24,11 +24,6 @@ class UnreadableCheckpointWarning(UserWarning):
     that verifies instead, and this warning names each one skipped."""
 
 
-def preferred(listing: list[_directory.Entry]) -> list[_directory.Entry]:
-    """One entry per step (the listing's preferred spelling), oldest first."""
-    return list({e.value: e for e in listing}.values())
-
-
 def restore_latest_that_verifies(
     store: _storage.Storage,
     directory: str,
@@ -47,7 +42,7 @@ def restore_latest_that_verifies(
     skipped: dict[str, _errors.CheckpointFormatError] = {}
     multiprocess = jax.process_count() > 1
     relists = 0
-    listing = preferred(list_checkpoints())
+    listing = _directory.preferred(list_checkpoints())
     while True:
         candidates = [e for e in reversed(listing) if e.path not in skipped]
         if not candidates:
@@ -114,4 +109,4 @@ def restore_latest_that_verifies(
                     f"{caller}: the checkpoints of {directory} kept changing while "
                     f"being restored ({entry.path} vanished)"
                 )
-            listing = preferred(list_checkpoints())
+            listing = _directory.preferred(list_checkpoints())

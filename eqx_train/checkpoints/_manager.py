@@ -31,7 +31,7 @@ from . import (
 )
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
-from ._fallback import UnreadableCheckpointWarning, preferred, restore_latest_that_verifies
+from ._fallback import UnreadableCheckpointWarning, restore_latest_that_verifies
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
 from ._restore import RESTORE_ATTEMPTS, restore_entry
 from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
@@ -618,7 +618,7 @@ class CheckpointManager:
         retention removed a checkpoint while its metric was being read."""
         for attempt in range(RESTORE_ATTEMPTS):
             try:
-                ranked = self._ranked(preferred(self._listing()), gone_ok=False)
+                ranked = self._ranked(_directory.preferred(self._listing()), gone_ok=False)
             except FileNotFoundError:
                 if attempt + 1 == RESTORE_ATTEMPTS:
                     raise
