@@ -24,7 +24,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -398,17 +398,23 @@ class OrbaxReader:
                 raise bad(f"{where} names the array {short(name)}, not a plain name")
         return _Leaf(tuple(keys), tuple(kinds), value_type, skip)
 
+    def _walk(self, top: str) -> Iterator[tuple[str, list[str]]]:
+        """Each directory below `top` once, through symbolic links too (a link back to a
+        directory walked already is not followed again), with its files."""
+        seen: set[tuple[int, int]] = set()
+        for root, dirs, files in os.walk(top, followlinks=True):
+            info = os.stat(root)
+            if (info.st_dev, info.st_ino) in seen:
+                dirs[:] = []
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            yield root, files
+
     def _check_files(self) -> None:
         """Refuses what tensorstore would block on (a FIFO, a device: its reads never end)
         or read whole into memory (an oversized manifest), anywhere below the directory,
         through symbolic links too, before tensorstore opens anything."""
-        seen: set[tuple[int, int]] = set()
-        for root, dirs, files in os.walk(self.path, followlinks=True):
-            info = os.stat(root)
-            if (info.st_dev, info.st_ino) in seen:  # a link back up: walked already
-                dirs[:] = []
-                continue
-            seen.add((info.st_dev, info.st_ino))
+        for root, files in self._walk(self.path):
             for name in files:
                 full = os.path.join(root, name)
                 try:
@@ -429,7 +435,7 @@ class OrbaxReader:
             return  # the database's data files are read by byte ranges
         chunk = store.chunk_layout.write_chunk.shape or store.shape
         limit = 2 * math.prod(int(d) for d in chunk) * dtype.itemsize + _CHUNK_SLACK_BYTES
-        for root, _, files in os.walk(os.path.join(self.path, name), followlinks=True):
+        for root, files in self._walk(os.path.join(self.path, name)):
             for file in files:
                 full = os.path.join(root, file)
                 try:
