@@ -227,9 +227,46 @@ HOSTILE = {
             }
         }
     ),
+    "chunked shape keyed by a wrong index": msgpack.packb(
+        {
+            "a": {
+                "__msgpack_chunked_array__": True,
+                "shape": {"5": 3},
+                "chunks": {"0": _ndarray_ext((3,), "float32", bytes(12))},
+            }
+        }
+    ),
+    "chunked shape not an int": msgpack.packb(
+        {
+            "a": {
+                "__msgpack_chunked_array__": True,
+                "shape": {"0": "x"},
+                "chunks": {"0": _ndarray_ext((3,), "float32", bytes(12))},
+            }
+        }
+    ),
+    "chunked negative shape": msgpack.packb(
+        {
+            "a": {
+                "__msgpack_chunked_array__": True,
+                "shape": {"0": -7},
+                "chunks": {"0": _ndarray_ext((3,), "float32", bytes(12))},
+            }
+        }
+    ),
     "dtype name of a module attribute": msgpack.packb({"w": _ndarray_ext((2,), "_np", bytes(8))}),
     "dtype name __builtins__": msgpack.packb({"w": _ndarray_ext((2,), "__builtins__", bytes(8))}),
 }
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_inspect_of_a_hostile_file_fails_in_one_line_naming_it(tmp_path, case, capsys):
+    from eqx_train._cli import main
+
+    path = _write(tmp_path, HOSTILE[case])
+    code = main(["inspect", path])
+    err = capsys.readouterr().err
+    assert code == 1 and path in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))

@@ -345,7 +345,19 @@ def _parse(src: _Source) -> Any:
 
 
 def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
-    """The pieces of a chunked array dict, validated (flax's `_unchunk`)."""
+    """The array a chunked array dict stands for, read from its pieces (flax's
+    `_unchunk`)."""
+    shape, chunks = _chunked_spec(node, src)
+    out = aligned_empty(shape, chunks[0].dtype)
+    flat, at = out.reshape(-1), 0
+    for chunk in chunks:
+        src.read_into(chunk.offset, flat[at : at + chunk.shape[0]])
+        at += chunk.shape[0]
+    return out
+
+
+def _chunked_spec(node: dict[Any, Any], src: _Source) -> tuple[list[int], list[_ArrayRef]]:
+    """The shape and pieces of a chunked array dict, validated; no data read."""
 
     def ordered(entry: Any, what: str) -> list[Any]:
         if not isinstance(entry, dict) or set(entry) != {str(i) for i in range(len(entry))}:
@@ -368,12 +380,7 @@ def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
         raise src.bad(
             f"a chunked array (shape {short(shape)}) has chunks that do not make up its shape"
         )
-    out = aligned_empty(shape, chunks[0].dtype)
-    flat, at = out.reshape(-1), 0
-    for chunk in chunks:
-        src.read_into(chunk.offset, flat[at : at + chunk.shape[0]])
-        at += chunk.shape[0]
-    return out
+    return shape, chunks
 
 
 def _materialize(root: Any, src: _Source) -> Any:
@@ -456,12 +463,8 @@ def _walk_arrays(root: Any, src: _Source) -> dict[str, tuple[tuple[int, ...], np
         if isinstance(node, _ArrayRef):
             found[name or "<root>"] = (node.shape, node.dtype)
         elif isinstance(node, dict) and _CHUNKED in node:
-            chunks = node.get("chunks")
-            first = chunks.get("0") if isinstance(chunks, dict) else None
-            shape = node.get("shape")
-            if not isinstance(first, _ArrayRef) or not isinstance(shape, dict):
-                raise src.bad(f"the chunked array {short(name)} is malformed")
-            found[name] = (tuple(shape[str(i)] for i in range(len(shape))), first.dtype)
+            shape, chunks = _chunked_spec(node, src)
+            found[name or "<root>"] = (tuple(shape), chunks[0].dtype)
         elif isinstance(node, dict | list):
             items = node.items() if isinstance(node, dict) else enumerate(node)
             children = [(f"{name}.{key}" if name else str(key), value) for key, value in items]
