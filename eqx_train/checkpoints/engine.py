@@ -15,13 +15,11 @@ from ._description import (
     parse_json as parse_json,
 )
 from ._directory import (
-    Entry as Entry,
     list_checkpoints as list_checkpoints,
     remove_paths as remove_paths,
 )
 from ._errors import (
     CheckpointFormatError as CheckpointFormatError,
-    invalid as invalid,
     short as short,
 )
 from ._format import (

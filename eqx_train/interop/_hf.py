@@ -36,7 +36,6 @@ from ..checkpoints.engine import (
     short,
 )
 
-_MAX_INDEX_BYTES = 64 << 20
 # huggingface_hub's decimal units, and the binary ones transformers also accepts.
 _SIZE_UNITS = {
     "B": 1,

@@ -339,7 +339,6 @@ class OrbaxReader:
         )
         self.use_zarr3 = bool(flags["use_zarr3"])
         self.fill_missing = not flags["store_array_data_equal_to_fill_value"]
-        self.custom_metadata = meta.get("custom_metadata")
         leaves: list[_Leaf] = []
         for label, entry in tree.items():
             leaves.append(self._leaf(label, entry, bad_metadata))

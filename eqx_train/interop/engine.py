@@ -9,7 +9,6 @@ from ._orbax import (
     OrbaxReader as OrbaxReader,
     describe as describe_orbax,
     layout as orbax_layout,
-    resolve as resolve_orbax,
     steps_to_convert as orbax_steps_to_convert,
 )
 
@@ -20,5 +19,4 @@ __all__ = [
     "looks_like_flax",
     "orbax_layout",
     "orbax_steps_to_convert",
-    "resolve_orbax",
 ]
