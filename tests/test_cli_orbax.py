@@ -83,6 +83,15 @@ def test_convert_orbax_keeps_every_step_bit_for_bit(flax_orbax_run, tmp_path, ca
         assert f"{source} -> " in capsys.readouterr().out or step == 2
 
 
+def test_convert_orbax_of_an_item_named_like_a_step_takes_its_step_directorys_number(tmp_path):
+    run = tmp_path / "manager_run"
+    with ocp.CheckpointManager(run) as manager:
+        manager.save(100, args=ocp.args.Composite(ema_2=ocp.args.StandardSave(_state(1))))
+    dst = tmp_path / "dst"
+    assert main(["convert-orbax", str(run / "100" / "ema_2"), str(dst)]) == 0
+    assert available_steps(dst) == [100]
+
+
 def test_convert_orbax_of_a_manager_step_takes_the_item_and_the_step(manager_step, tmp_path):
     dst = tmp_path / "eqx_run"
     assert main(["convert-orbax", str(manager_step / "3"), str(dst), "--item", "extra"]) == 0

@@ -219,9 +219,12 @@ def steps_to_convert(path: str, item: str | None) -> list[tuple[int, str]]:
     single = resolve(path, item, "convert-orbax")  # refuses what is not Orbax, checks `item`
     kind, _ = layout(path)
     if kind != "run":
-        step = _step_of(path)
-        if step is None and kind == "checkpoint":  # an item: its step directory's name
-            step = _step_of(os.path.dirname(os.path.abspath(path)))
+        parent = os.path.dirname(os.path.abspath(path))
+        step = None
+        if kind == "checkpoint" and layout(parent)[0] == "step":
+            step = _step_of(parent)  # an item (`ema_2`, say) of a step: the step's number
+        if step is None:
+            step = _step_of(path)
         return [(step or 0, single)]
     steps = _steps(path)
     found = [(step, resolve(directory, item, "convert-orbax")) for step, directory in steps]
