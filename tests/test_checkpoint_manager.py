@@ -374,6 +374,41 @@ def test_restore_falls_back_to_the_newest_checkpoint_that_verifies_warning_of_th
     assert all("restored step 2" in m and "fallback=False" in m for m in messages)
 
 
+def test_processes_skip_a_corrupt_checkpoint_only_once_they_all_agree(tmp_path, monkeypatch):
+    """Two processes (the other one simulated in the exchange): this one finds the latest
+    corrupt while the other saw it vanish (a concurrent overwrite), so the round counts as
+    "gone" and both list again; this one must not skip it on its own, or their candidates
+    would differ from then on. Next round both find it corrupt and move on together."""
+    import json
+
+    import jax
+
+    from eqx_train.checkpoints import _coordination
+
+    manager = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
+    for step in (1, 2):
+        manager.save(step, _state(step))
+    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    latest = str(tmp_path / "checkpoint_2.safetensors")
+    rounds = []
+
+    def gather(op, value, **kwargs):
+        path, _ = json.loads(value)
+        rounds.append(path)
+        if path == latest:
+            other = "gone" if rounds.count(latest) == 1 else "corrupt: seen there too"
+        else:
+            other = "ok"
+        return [value, json.dumps([path, other])]
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_coordination, "gather", gather)
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="checkpoint_2"):
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 1.0))
+    assert rounds == [latest, latest, str(tmp_path / "checkpoint_1.safetensors")]
+
+
 def test_restore_fallback_false_raises_on_a_corrupt_latest(tmp_path):
     manager = CheckpointManager(tmp_path, keep_latest=2)
     manager.save(1, _state(1))

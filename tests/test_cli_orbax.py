@@ -151,14 +151,18 @@ def test_commands_recognise_an_orbax_directory_and_name_the_command_that_reads_i
         assert "no checkpoint" not in err and "no flax checkpoint" not in err
 
 
+def _assert_lists_kernel_and_bias(out):
+    lines = [line.split() for line in out.splitlines()]
+    assert ["kernel", "float32[3,", "4]", "48", "B"] in lines
+    assert ["bias", "bfloat16[4]", "8", "B"] in lines
+
+
 def test_inspect_of_an_orbax_checkpoint_lists_its_arrays(flax_orbax_run, capsys):
     path = flax_orbax_run / "checkpoint_2"
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"{path}: an Orbax PyTree checkpoint" in out
-    lines = [line.split() for line in out.splitlines()]
-    assert ["kernel", "float32[3,", "4]", "48", "B"] in lines
-    assert ["bias", "bfloat16[4]", "8", "B"] in lines
+    _assert_lists_kernel_and_bias(out)
     assert f"eqx-train convert-orbax {path} DST" in out
 
 
@@ -180,9 +184,7 @@ def test_inspect_opens_a_flax_msgpack_file(flax_msgpack_file, capsys):
     assert main(["inspect", flax_msgpack_file]) == 0
     out = capsys.readouterr().out
     assert f"{flax_msgpack_file}: flax msgpack checkpoint, 3 tensors" in out
-    lines = [line.split() for line in out.splitlines()]
-    assert ["kernel", "float32[3,", "4]", "48", "B"] in lines
-    assert ["bias", "bfloat16[4]", "8", "B"] in lines
+    _assert_lists_kernel_and_bias(out)
     assert f"eqx-train convert-flax {flax_msgpack_file} DST" in out
     assert main(["inspect", os.path.dirname(flax_msgpack_file)]) == 0
     out = capsys.readouterr().out

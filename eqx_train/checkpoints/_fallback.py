@@ -85,6 +85,9 @@ def restore_latest_that_verifies(
                 )
             if any(path != entry.path or o == "gone" for path, o in reports):
                 outcome = "gone"  # listings differ, or one raced retention: list again
+                # Skipped only when all agree it is corrupt, so that every process's next
+                # candidate stays the same.
+                skipped.pop(entry.path, None)
             else:
                 bad = [o for _, o in reports if o != "ok"]
                 if bad and outcome == "ok":
