@@ -119,7 +119,7 @@ def save_checkpoint(
     """
     return save_pipeline(
         ckpt_dir,
-        _selection.filtered_for_saving(target, filter_spec),
+        target,
         step,
         prefix=prefix,
         overwrite=overwrite,
@@ -129,6 +129,7 @@ def save_checkpoint(
         snapshot=snapshot,
         host_window_bytes=host_window_bytes,
         storage_options=storage_options,
+        filter_spec=filter_spec,
     )
 
 
@@ -148,6 +149,7 @@ def save_pipeline(
     snapshot: SnapshotMode = "auto",
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
+    filter_spec: Any = None,
 ) -> str:
     """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
     `CheckpointManager.save` differ only in the layout (one file, or a `.shards` directory
@@ -182,7 +184,9 @@ def save_pipeline(
             async_manager.wait_previous_save()
         store.start_deadline()  # every request of this save, from here on, shares one budget
         description, tensors = _description.describe(
-            target, caller=caller, allow_global=multiprocess
+            _selection.filtered_for_saving(target, filter_spec),
+            caller=caller,
+            allow_global=multiprocess,
         )
         step_text = _names.canonical_step(step)
         extra = extra_metadata() if callable(extra_metadata) else extra_metadata
@@ -328,7 +332,7 @@ def save_checkpoint_multiprocess(
     caller = "save_checkpoint_multiprocess"
     return save_pipeline(
         ckpt_dir,
-        _selection.filtered_for_saving(target, filter_spec),
+        target,
         step,
         prefix=prefix,
         overwrite=overwrite,
@@ -340,6 +344,7 @@ def save_checkpoint_multiprocess(
         snapshot=snapshot,
         host_window_bytes=host_window_bytes,
         storage_options=storage_options,
+        filter_spec=filter_spec,
     )
 
 

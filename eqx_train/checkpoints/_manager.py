@@ -279,7 +279,7 @@ class CheckpointManager:
 
         path = save_pipeline(
             self.directory,
-            _selection.filtered_for_saving(state, filter_spec),
+            state,
             step,
             prefix=self.prefix,
             overwrite=overwrite,
@@ -292,6 +292,7 @@ class CheckpointManager:
             snapshot=self.snapshot,
             host_window_bytes=self.host_window_bytes,
             storage_options=self.storage_options,
+            filter_spec=filter_spec,
         )
         # A save succeeded, so `step` is now the newest checkpoint (an older step needs
         # overwrite=True, which deletes the newer ones).
