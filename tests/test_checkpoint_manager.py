@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from eqx_train import EarlyStopping, TrainState, checkpoints
-from eqx_train.checkpoints import CheckpointManager, _manager
+from eqx_train.checkpoints import CheckpointManager, _retention
 from tests.helpers import run_then_sigkill
 
 
@@ -299,7 +299,7 @@ def test_restore_best_racing_the_trainers_retention_restores_the_new_best(
         trainer.save(step, _state(step), metrics={"loss": loss})
     assert trainer.all_steps() == [2, 3]
     evaluator = CheckpointManager(tmp_path, best_metric="loss", handle_sigterm=False)
-    real = _manager._metadata_of
+    real = _retention.metadata_of
     reads, lock = [], threading.Lock()
 
     def racing(store, entry):
@@ -311,7 +311,7 @@ def test_restore_best_racing_the_trainers_retention_restores_the_new_best(
             trainer.save(4, _state(4), metrics={"loss": 0.05})  # the old best goes
         return metadata
 
-    monkeypatch.setattr(_manager, "_metadata_of", racing)
+    monkeypatch.setattr(_retention, "metadata_of", racing)
     restored = evaluator.restore(_state(0), step="best")
     assert trainer.all_steps() == [4]
     np.testing.assert_array_equal(restored["w"], np.full(4, 4.0))

@@ -8,30 +8,26 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
 import jax
-import numpy as np
 from jax.typing import ArrayLike
 
 from . import (
     _coordination,
     _directory,
-    _format,
     _locations,
     _names,
     _preemption,
+    _retention,
     _selection,
-    _storage,
     _transfer,
 )
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
-from ._fallback import UnreadableCheckpointWarning, restore_latest_that_verifies
+from ._fallback import restore_latest_that_verifies
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
 from ._restore import RESTORE_ATTEMPTS, restore_entry
 from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
@@ -42,14 +38,6 @@ T = TypeVar("T")
 # fake one. Monotonic, so that a wall-clock jump (NTP, a VM resumed) never forces or skips
 # a save.
 _clock = time.monotonic
-
-
-def _metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, str]:
-    """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
-    opened directly (it is known to be a file or a `.shards` directory)."""
-    path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
-    with _format.FileReader(path, store.open(path)) as reader:
-        return reader.metadata
 
 
 class CheckpointManager:
@@ -164,23 +152,7 @@ class CheckpointManager:
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ):
-        if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
-            raise ValueError(
-                f"CheckpointManager: keep_latest must be an int >= 1 (the newest checkpoint is "
-                f"what resuming needs), got {keep_latest!r}."
-            )
-        if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-            raise ValueError(
-                f"CheckpointManager: keep_best must be an int >= 0, got {keep_best!r}."
-            )
-        if keep_best > 0 and not best_metric:
-            raise ValueError(
-                f"CheckpointManager: keep_best={keep_best} needs best_metric, the name of the "
-                "metric that ranks checkpoints (e.g. best_metric='val_loss')."
-            )
-        if mode not in ("min", "max"):
-            raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
-        _directory.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
+        _retention.check_policy(keep_latest, keep_best, best_metric, mode, keep_every_n_steps)
         if not prefix:
             raise ValueError("CheckpointManager: prefix must be a non-empty file name prefix.")
         _names.check_prefix(prefix, "CheckpointManager")
@@ -236,9 +208,7 @@ class CheckpointManager:
         self._sigterm_received = False
         self._preempted = False
         self._listens = False  # registered with the library's SIGTERM handler
-        # (path, listed version) -> what `_metric_of` read: on an object store, retention
-        # and "best" then read only the metrics of checkpoints not seen before.
-        self._metric_cache: dict[tuple[str, Any], tuple[float | None, str | None]] = {}
+        self._ranking = _retention.Ranking(self._store)
 
     # ------------------------------------------------------------------ saving
 
@@ -273,8 +243,8 @@ class CheckpointManager:
             # Encoded inside the save, so that a bad value on one process of a multi-process
             # job fails the save on all of them.
             return {
-                _METRICS_KEY: self._encode_metrics(metrics),
-                _USER_METADATA_KEY: self._encode_metadata(metadata),
+                _METRICS_KEY: _retention.encode_metrics(metrics),
+                _USER_METADATA_KEY: _retention.encode_metadata(metadata),
             }
 
         path = save_pipeline(
@@ -423,17 +393,17 @@ class CheckpointManager:
         """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
         if not self.best_metric:
             raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
-        best = self._best_entry("CheckpointManager.best_step")
+        best = self._ranking.best(self._listing, best_metric=self.best_metric, mode=self.mode)
         return None if best is None else best.step
 
     def metrics(self, step: _names.Step) -> dict[str, float] | None:
         """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = _metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
+        raw = _retention.metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
         return None if raw is None else json.loads(raw)
 
     def metadata(self, step: _names.Step) -> dict[str, Any] | None:
         """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = _metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
+        raw = _retention.metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
         return None if raw is None else json.loads(raw)
 
     def restore(
@@ -554,82 +524,9 @@ class CheckpointManager:
             f"available steps: {self.all_steps()}."
         )
 
-    def _metric_of(self, entry: _directory.Entry) -> tuple[float | None, str | None]:
-        """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
-        Raises `FileNotFoundError` if the checkpoint is gone."""
-        try:
-            raw = _metadata_of(self._store, entry).get(_METRICS_KEY)
-            metrics = json.loads(raw) if raw else None
-        except FileNotFoundError:
-            raise
-        except (OSError, ValueError) as error:
-            if isinstance(error, OSError) and not self._store.is_local:
-                # An unreachable store says nothing about the checkpoint: never let a
-                # network error make retention delete the best one.
-                raise
-            return None, str(error)
-        value = metrics.get(self.best_metric or "") if isinstance(metrics, dict) else None
-        if value is None or not isinstance(value, int | float) or math.isnan(value):
-            return None, None
-        return float(value), None
-
-    def _ranked(self, entries: list[_directory.Entry], *, gone_ok: bool) -> list[_directory.Entry]:
-        """`entries` with a usable metric, best first (ties: newer first). The metrics are
-        read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
-        or raises `FileNotFoundError` (so that the caller lists again)."""
-
-        cache = self._metric_cache
-
-        def score(entry: _directory.Entry) -> tuple[float | None, str | None]:
-            # A checkpoint never changes but by being replaced, which changes the version
-            # the listing reports: what was read for that version stays true.
-            key = (entry.path, entry.identity)
-            if entry.identity is not None and key in cache:
-                return cache[key]
-            try:
-                found = self._metric_of(entry)
-            except FileNotFoundError:
-                if gone_ok:
-                    return None, None
-                raise
-            if entry.identity is not None:
-                cache[key] = found
-            return found
-
-        # Concurrently: on an object store each read is a request, latency-bound.
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:
-            scores = list(pool.map(score, entries))
-        listed = {(e.path, e.identity) for e in entries}
-        self._metric_cache = {k: v for k, v in cache.items() if k in listed}
-        for entry, (_, problem) in zip(entries, scores, strict=True):
-            if problem is not None:
-                warnings.warn(
-                    f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
-                    "it counts as having none.",
-                    UnreadableCheckpointWarning,
-                    stacklevel=4,
-                )
-        usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
-        sign = 1.0 if self.mode == "min" else -1.0
-        usable.sort(key=lambda item: (sign * item[0], -item[1].value))
-        return [e for _, e in usable]
-
-    def _best_entry(self, caller: str) -> _directory.Entry | None:
-        """The best checkpoint by `best_metric`, ranked on one listing; listed again if
-        retention removed a checkpoint while its metric was being read."""
-        for attempt in range(RESTORE_ATTEMPTS):
-            try:
-                ranked = self._ranked(_directory.preferred(self._listing()), gone_ok=False)
-            except FileNotFoundError:
-                if attempt + 1 == RESTORE_ATTEMPTS:
-                    raise
-                continue
-            return ranked[0] if ranked else None
-        raise AssertionError("unreachable")  # pragma: no cover
-
     def _restore_best(self, target: T, options: dict[str, Any]) -> T:
         for attempt in range(RESTORE_ATTEMPTS):
-            best = self._best_entry("CheckpointManager.restore")
+            best = self._ranking.best(self._listing, best_metric=self.best_metric, mode=self.mode)
             if best is None:
                 raise ValueError(
                     f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
@@ -644,41 +541,15 @@ class CheckpointManager:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
-        steps = [(e.value, e.text) for e in entries]
-        keep = {e.text for e in entries[-self.keep_latest :]}
-        kept_by_flax_rule = set(
-            text for _, text in steps[: max(len(steps) - self.keep_latest, 0)]
-        ) - set(
-            _directory.steps_to_delete(
-                steps, keep=self.keep_latest, keep_every_n_steps=self.keep_every_n_steps
+        def rank(listed: list[_directory.Entry]) -> list[_directory.Entry]:
+            return self._ranking.ranked(
+                listed, best_metric=self.best_metric, mode=self.mode, gone_ok=True
             )
+
+        return _retention.to_delete(
+            entries,
+            keep_latest=self.keep_latest,
+            keep_every_n_steps=self.keep_every_n_steps,
+            keep_best=self.keep_best,
+            rank=rank,
         )
-        keep.update(kept_by_flax_rule)
-        if self.keep_best and len(keep) < len(entries):
-            # Metrics are read only when some checkpoint might go.
-            keep.update(e.text for e in self._ranked(entries, gone_ok=True)[: self.keep_best])
-        return [e.text for e in entries if e.text not in keep]
-
-    def _encode_metrics(self, metrics: Mapping[str, ArrayLike] | None) -> str:
-        if metrics is None:
-            return "null"
-        encoded = {}
-        for name, value in metrics.items():
-            try:
-                encoded[str(name)] = float(np.asarray(value))
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"CheckpointManager.save: metric '{name}' must be a number, got "
-                    f"{type(value).__name__} {value!r}."
-                ) from None
-        return json.dumps(encoded)
-
-    def _encode_metadata(self, metadata: Mapping[str, Any] | None) -> str:
-        if metadata is None:
-            return "null"
-        try:
-            return json.dumps(dict(metadata))
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"CheckpointManager.save: metadata must be JSON-serialisable ({error})."
-            ) from None
