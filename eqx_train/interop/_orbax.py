@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,13 +37,9 @@ from ..checkpoints.engine import (
     short,
     too_big,
 )
+from ._orbax_layout import LEGACY_NAME, METADATA_NAME, OCDBT_MANIFEST, resolve
 
-METADATA_NAME = "_METADATA"
 _STRINGS_NAME = "_strings.json"
-_OCDBT_MANIFEST = "manifest.ocdbt"
-_LEGACY_NAME = "checkpoint"  # orbax before _METADATA: one msgpack file of the tree
-_STEP_METADATA = "_CHECKPOINT_METADATA"
-_TMP_MARK = ".orbax-checkpoint-tmp"
 # About 140 bytes a leaf: room for ~470k leaves. JSON parses to up to ~20x its size in
 # Python objects, so this also bounds what a hostile file can make us allocate.
 _MAX_METADATA_BYTES = 64 << 20
@@ -58,7 +53,6 @@ _MAX_MANIFEST_BYTES = 64 << 20
 _SEQUENCE, _DICT = 1, 2
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": None}
-_STEP_NAME = re.compile(r"(?:.*?_)?(\d+)")
 # Orbax's own context for reads: many files in flight, and a cache for the B-tree nodes
 # of the OCDBT database (every leaf's lookup walks the same few nodes).
 _TS_CONTEXT = {
@@ -75,163 +69,6 @@ def _tensorstore() -> Any:
             "Reading Orbax checkpoints needs tensorstore: pip install 'eqx_train[orbax]'."
         ) from None
     return tensorstore
-
-
-def is_pytree_checkpoint(path: str) -> bool:
-    """Whether `path` is one Orbax PyTree checkpoint directory (the markers flax uses)."""
-    return os.path.isdir(path) and any(
-        os.path.lexists(os.path.join(path, name))
-        for name in (METADATA_NAME, _OCDBT_MANIFEST, _LEGACY_NAME)
-    )
-
-
-def _items(path: str) -> list[str]:
-    """The named items of a `CheckpointManager` step directory, sorted."""
-    try:
-        names = os.listdir(path)
-    except (NotADirectoryError, FileNotFoundError):
-        return []
-    return sorted(
-        n for n in names if _TMP_MARK not in n and is_pytree_checkpoint(os.path.join(path, n))
-    )
-
-
-def _steps(path: str) -> list[tuple[int, str]]:
-    """(step, directory) of the committed Orbax steps in a run directory, oldest first."""
-    try:
-        names = os.listdir(path)
-    except (NotADirectoryError, FileNotFoundError):
-        return []
-    found = []
-    for name in names:
-        match = _STEP_NAME.fullmatch(name)
-        full = os.path.join(path, name)
-        if match is None or _TMP_MARK in name or not os.path.isdir(full):
-            continue
-        if is_pytree_checkpoint(full) or _items(full):
-            found.append((int(match[1]), full))
-    return sorted(found)
-
-
-def layout(path: str) -> tuple[str, list[str]]:
-    """What an Orbax directory is: ("checkpoint", []), ("step", its item names), ("run",
-    its step directories, oldest first), or ("", []) when it is not Orbax. A run whose
-    steps are named in several ways raises `CheckpointFormatError`."""
-    if not os.path.isdir(path):
-        return "", []
-    if is_pytree_checkpoint(path):
-        return "checkpoint", []
-    items, steps = _items(path), _steps(path)
-    # A flax run directory's `checkpoint_<step>/` look like items too: a step directory
-    # of a CheckpointManager is marked by its step metadata.
-    if items and (os.path.lexists(os.path.join(path, _STEP_METADATA)) or not steps):
-        return "step", items
-    if steps:
-        directories = [directory for _, directory in steps]
-        _one_naming(path, directories)
-        return "run", directories
-    return "", []
-
-
-def describe(path: str) -> str | None:
-    """What kind of Orbax directory `path` is, in words (None: not an Orbax directory)."""
-    kind, names = layout(path)
-    if kind == "checkpoint":
-        return "an Orbax PyTree checkpoint"
-    if kind == "step":
-        return f"an Orbax CheckpointManager step with items {', '.join(names)}"
-    if kind == "run":
-        return f"a directory of {len(names)} Orbax checkpoints"
-    return None
-
-
-def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") -> str:
-    """The PyTree checkpoint directory `path` and `item` name: the directory itself, one
-    item of a `CheckpointManager` step, or that within the latest step of a run."""
-    if not os.path.lexists(path):
-        raise FileNotFoundError(f"{caller}: {path} does not exist.")
-    if not os.path.isdir(path):
-        raise CheckpointFormatError(
-            f"{path} is a file, not an Orbax checkpoint directory (a flax msgpack checkpoint "
-            "is one file: read it with load_flax_checkpoint)."
-        )
-    if _TMP_MARK in os.path.basename(path.rstrip(os.sep)):
-        raise CheckpointFormatError(
-            f"{path} is an unfinished Orbax save (its name has '{_TMP_MARK}'); it was never "
-            "committed."
-        )
-    kind, names = layout(path)
-    if kind == "checkpoint":
-        if item is not None:
-            raise ValueError(
-                f"{caller}: item={item!r} was given but {path} is a single PyTree checkpoint, "
-                "not a CheckpointManager step with named items; leave item out."
-            )
-        return path
-    if kind == "step":
-        if item is None and len(names) == 1:
-            return os.path.join(path, names[0])
-        if item is None:
-            raise ValueError(
-                f"{caller}: {path} holds several items ({', '.join(names)}); choose one with "
-                "item=..."
-            )
-        if item not in names:
-            raise ValueError(
-                f"{caller}: {path} has no item {item!r}; its items are {', '.join(names)}."
-            )
-        return os.path.join(path, item)
-    if kind == "run":
-        return resolve(names[-1], item, caller)
-    raise CheckpointFormatError(
-        f"{path} is not an Orbax checkpoint: it holds no {METADATA_NAME} or "
-        f"{_OCDBT_MANIFEST}, no item directories and no step directories."
-    )
-
-
-def _one_naming(path: str, directories: list[str]) -> None:
-    """Refuses a run directory whose steps are named in several ways (`checkpoint_3` beside
-    `backup_99`): which is the latest is then a guess, and a wrong guess restores the wrong
-    run without a word."""
-    prefixes: dict[str, str] = {}
-    for directory in directories:
-        name = os.path.basename(directory)
-        match = _STEP_NAME.fullmatch(name)
-        if match is not None:
-            prefixes.setdefault(name[: match.start(1)], name)
-    if len(prefixes) > 1:
-        raise CheckpointFormatError(
-            f"{path} holds Orbax checkpoints named in {len(prefixes)} ways "
-            f"({', '.join(sorted(prefixes.values()))}): which one is the latest is "
-            "ambiguous; pass the checkpoint or step directory to read."
-        )
-
-
-def _step_of(directory: str) -> int | None:
-    match = _STEP_NAME.fullmatch(os.path.basename(directory.rstrip(os.sep)))
-    return int(match[1]) if match else None
-
-
-def steps_to_convert(path: str, item: str | None) -> list[tuple[int, str]]:
-    """(step, PyTree checkpoint directory) of every checkpoint `path` stands for, oldest
-    first: a checkpoint or a `CheckpointManager` step is one (its step from its directory's
-    name, else 0), a run directory all its committed steps."""
-    single = resolve(path, item, "convert-orbax")  # refuses what is not Orbax, checks `item`
-    kind, _ = layout(path)
-    if kind != "run":
-        parent = os.path.dirname(os.path.abspath(path))
-        step = None
-        if kind == "checkpoint" and layout(parent)[0] == "step":
-            step = _step_of(parent)  # an item (`ema_2`, say) of a step: the step's number
-        if step is None:
-            step = _step_of(path)
-        return [(step or 0, single)]
-    steps = _steps(path)
-    found = [(step, resolve(directory, item, "convert-orbax")) for step, directory in steps]
-    for (step, first), (other, second) in zip(found, found[1:], strict=False):
-        if step == other:
-            raise ValueError(f"{first} and {second} are both step {step}; keep one of them")
-    return found
 
 
 def _read_json(path: str, what: str, bad: Any) -> Any:
@@ -308,11 +145,11 @@ class OrbaxReader:
 
     def _parse_metadata(self) -> None:
         if not os.path.lexists(self.metadata_path):
-            legacy = os.path.lexists(os.path.join(self.path, _LEGACY_NAME))
+            legacy = os.path.lexists(os.path.join(self.path, LEGACY_NAME))
             raise self.bad(
                 f"it has no {METADATA_NAME} file"
                 + (
-                    f" (its tree is in a '{_LEGACY_NAME}' msgpack file: written by an orbax "
+                    f" (its tree is in a '{LEGACY_NAME}' msgpack file: written by an orbax "
                     "older than 0.5, which this reader does not read)"
                     if legacy
                     else ""
@@ -338,7 +175,7 @@ class OrbaxReader:
         self.use_ocdbt = (
             flags["use_ocdbt"]
             if flags["use_ocdbt"] is not None
-            else os.path.lexists(os.path.join(self.path, _OCDBT_MANIFEST))
+            else os.path.lexists(os.path.join(self.path, OCDBT_MANIFEST))
         )
         self.use_zarr3 = bool(flags["use_zarr3"])
         self.fill_missing = not flags["store_array_data_equal_to_fill_value"]
@@ -425,7 +262,7 @@ class OrbaxReader:
                     continue
                 if not stat.S_ISREG(info.st_mode):
                     raise self.bad(f"{full} is not a regular file (a FIFO or a device?)")
-                if name == _OCDBT_MANIFEST and info.st_size > _MAX_MANIFEST_BYTES:
+                if name == OCDBT_MANIFEST and info.st_size > _MAX_MANIFEST_BYTES:
                     raise self.bad(
                         f"{full} has {info.st_size} bytes, more than {_MAX_MANIFEST_BYTES}"
                     )

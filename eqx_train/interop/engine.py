@@ -5,8 +5,8 @@ from here so that it never reaches into a private module. Users want `eqx_train.
 """
 
 from ._flax import flax_arrays as flax_arrays, looks_like_flax as looks_like_flax
-from ._orbax import (
-    OrbaxReader as OrbaxReader,
+from ._orbax import OrbaxReader as OrbaxReader
+from ._orbax_layout import (
     describe as describe_orbax,
     layout as orbax_layout,
     steps_to_convert as orbax_steps_to_convert,
