@@ -403,6 +403,8 @@ def test_processes_skip_a_corrupt_checkpoint_only_once_they_all_agree(tmp_path, 
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(_coordination, "gather", gather)
+    # Process 0 (this one) moves the skipped checkpoint aside and tells the other.
+    monkeypatch.setattr(_coordination, "decide", lambda op, decision, **kwargs: decision())
     with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="checkpoint_2"):
         restored = manager.restore(_state(0))
     np.testing.assert_array_equal(restored["w"], np.full(4, 1.0))

@@ -248,6 +248,31 @@ def remove_checkpoint(store: Storage, entry: Entry) -> None:
     clean_shards_dir(store, entry.path, keep_token=None)
 
 
+def quarantine(store: Storage, ckpt_dir: str, entry: Entry) -> str:
+    """Moves a checkpoint that was skipped as unreadable out of the listing, keeping it
+    whole beside the others under `_names.quarantine_name`; returns its new path.
+
+    Locally that is one rename (of the file or the `.shards` directory). An object store
+    has no rename: each object is copied and removed, a `.shards` index last, so that the
+    checkpoint stays whole under one of its two names throughout."""
+    name = entry.path.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    for attempt in range(1000):
+        new_path = store.join(ckpt_dir, _names.quarantine_name(name, attempt))
+        if not store.exists(new_path):
+            break
+    else:  # pragma: no cover - a thousand quarantined copies of one name
+        raise FileExistsError(f"{ckpt_dir} already holds 1000 quarantined copies of {name}")
+    if store.is_local or not entry.sharded:
+        store.move(entry.path, new_path)
+        return new_path
+    index = store.join(entry.path, _names.INDEX_NAME)
+    names = sorted(item.name for item in store.list(entry.path) if item.is_file)
+    for piece in [n for n in names if n != _names.INDEX_NAME] + [_names.INDEX_NAME]:
+        source = index if piece == _names.INDEX_NAME else store.join(entry.path, piece)
+        store.move(source, store.join(new_path, piece))
+    return new_path
+
+
 def remove_leftovers(
     store: Storage,
     ckpt_dir: str,

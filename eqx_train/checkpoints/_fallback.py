@@ -21,7 +21,8 @@ class UnreadableCheckpointWarning(UserWarning):
     """A checkpoint in a manager's directory could not be read: while ranking by metric it
     counts as having no metric (it is kept only as one of the latest); when
     `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
-    that verifies instead, and this warning names each one skipped."""
+    that verifies instead, moves each one skipped aside (to `corrupt-<its name>`, which no
+    listing counts), and this warning names each one skipped and where it went."""
 
 
 def restore_latest_that_verifies(
@@ -39,7 +40,8 @@ def restore_latest_that_verifies(
     (retention). The processes of a multi-process job decide together, each waiting at
     most `timeout_s` for the others."""
     caller = "CheckpointManager.restore"
-    skipped: dict[str, _errors.CheckpointFormatError] = {}
+    skipped: dict[str, Exception] = {}
+    tried: dict[str, _directory.Entry] = {}
     multiprocess = jax.process_count() > 1
     relists = 0
     listing = _directory.preferred(list_checkpoints())
@@ -53,6 +55,7 @@ def restore_latest_that_verifies(
                 )
             return target
         entry = candidates[0]
+        tried[entry.path] = entry
         outcome, restored, failure = "ok", target, None
         try:
             restored = restore_entry(store, entry, target, **options)
@@ -61,10 +64,17 @@ def restore_latest_that_verifies(
             outcome = f"corrupt: {error}"
         except FileNotFoundError:
             outcome = "gone"
-        except Exception as error:  # e.g. a target mismatch: no fallback
-            if not multiprocess:
+        except Exception as error:
+            if isinstance(error, OSError) and store.is_local:
+                # A disk read error (EIO, say) is what a fallback is for, as corruption is.
+                # (On an object store an OSError says nothing about the checkpoint: a
+                # network error must never make it skipped and moved away.)
+                skipped[entry.path] = error
+                outcome = f"corrupt: {error}"
+            elif not multiprocess:  # e.g. a target mismatch: no fallback
                 raise
-            failure, outcome = error, f"failed: {type(error).__name__}: {error}"
+            else:
+                failure, outcome = error, f"failed: {type(error).__name__}: {error}"
         if multiprocess:
             # Each process reads only its devices' pieces: a corruption one of them
             # sees must make every one skip that checkpoint.
@@ -96,11 +106,12 @@ def restore_latest_that_verifies(
                         f"{entry.path}: another process found it {bad[0]}"
                     )
         if outcome == "ok":
+            moved = _quarantine(store, directory, [tried[p] for p in skipped], timeout_s)
             for path, error in skipped.items():
                 warnings.warn(
                     f"{caller}: skipped the corrupt checkpoint {path} ({error}); restored "
-                    f"step {entry.text} from {entry.path} instead. Pass fallback=False "
-                    "to raise instead.",
+                    f"step {entry.text} from {entry.path} instead. {moved[path]} Pass "
+                    "fallback=False to raise instead.",
                     UnreadableCheckpointWarning,
                     stacklevel=3,
                 )
@@ -113,3 +124,44 @@ def restore_latest_that_verifies(
                     f"being restored ({entry.path} vanished)"
                 )
             listing = _directory.preferred(list_checkpoints())
+
+
+def _quarantine(
+    store: _storage.Storage,
+    directory: str,
+    entries: list[_directory.Entry],
+    timeout_s: int | float,
+) -> dict[str, str]:
+    """Moves each skipped checkpoint out of the listing (`_directory.quarantine`), so that
+    it neither blocks the next save of its step nor counts as that step saved; returns,
+    for each, a sentence saying where it went (or why it could not be moved). In a
+    multi-process job process 0 moves them, and every process waits until it has."""
+
+    def move() -> str:
+        said = {}
+        for entry in entries:
+            try:
+                new_path = _directory.quarantine(store, directory, entry)
+            except OSError as error:
+                said[entry.path] = (
+                    f"It could not be moved aside ({error}): move or delete it by hand, or "
+                    "saving its step again fails."
+                )
+            else:
+                said[entry.path] = (
+                    f"It was moved to {new_path}, which no listing counts, so that saving "
+                    "its step again works; delete it once inspected."
+                )
+        return json.dumps(said)
+
+    if not entries:
+        return {}
+    if jax.process_count() == 1:
+        return json.loads(move())
+    said = _coordination.decide(
+        _coordination.next_id("restore_quarantine"),
+        move,
+        timeout_s=timeout_s,
+        caller="CheckpointManager.restore",
+    )
+    return json.loads(str(said))

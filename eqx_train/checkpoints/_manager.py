@@ -426,7 +426,11 @@ class CheckpointManager:
         - `fallback`: only for `step=None`: if the latest checkpoint is corrupt (truncated,
           a failed checksum, a missing piece: `CheckpointFormatError`), restore the newest
           older one that reads and verifies instead, with an `UnreadableCheckpointWarning`
-          naming each checkpoint skipped. `False` raises the error instead. A checkpoint
+          naming each checkpoint skipped. A disk read error (`OSError`) of a local file
+          counts as corruption. Each one skipped is moved aside, beside the others, to
+          `corrupt-<its name>` (never deleted: inspect it, then delete it), so that it
+          neither blocks saving its step again nor makes `should_save` take that step as
+          saved. `False` raises the error instead. A checkpoint
           that reads fine but does not match `target` is never skipped (that is an error
           in the target), and a requested step or `"best"` never falls back.
         - `config`, `filter_spec`: as for `restore_checkpoint` (the target's Python
@@ -470,9 +474,11 @@ class CheckpointManager:
                 storage_options=self.storage_options,
                 **options,
             )
-        return restore_latest_that_verifies(
+        restored = restore_latest_that_verifies(
             self._store, self.directory, self._listing, target, options, timeout_s=self.timeout_s
         )
+        self._latest_known = False  # a skipped checkpoint was moved aside: list again
+        return restored
 
     # ------------------------------------------------------------------ internals
 

@@ -196,6 +196,18 @@ def checkpoint_pattern(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(prefix)}(?P<step>{_STEP}){suffixes}")
 
 
+QUARANTINE_MARK = "corrupt-"
+
+
+def quarantine_name(name: str, attempt: int) -> str:
+    """Where `CheckpointManager.restore` moves the checkpoint `name` it skipped as
+    unreadable: beside it, under a name no prefix's listing or cleanup matches (it starts
+    with the mark), so that it neither blocks nor shadows a new save of its step and is
+    never deleted. `attempt` > 0 numbers a later quarantine of the same name."""
+    mark = QUARANTINE_MARK if attempt == 0 else f"{QUARANTINE_MARK}{attempt + 1}-"
+    return f"{mark}{name}"
+
+
 def temp_name(final_name: str) -> str:
     """A hidden name next to `final_name` that never matches a checkpoint name."""
     return f".{final_name}{TEMP_MARK}{writer_id()}-{os.urandom(8).hex()}"

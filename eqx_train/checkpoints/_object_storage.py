@@ -435,6 +435,15 @@ class ObjectStorage:
             self.call(path, self.fs.rm_file, self.strip(path))
         self._fresh(path)
 
+    def move(self, path: str, new_path: str) -> None:
+        """Copies the object `path` to `new_path` (which must not exist), then removes it:
+        an object store has no rename (nor directories: move each object of one)."""
+        if self.exists(new_path):
+            raise FileExistsError(f"{new_path} already exists")
+        self.call(path, self.fs.cp_file, self.strip(path), self.strip(new_path))
+        self._fresh(new_path)
+        self.remove(path)
+
     def remove_dir_if_empty(self, path: str) -> None:
         if _buffers_locally(self.fs):
             with contextlib.suppress(Exception):

@@ -99,6 +99,8 @@ class Storage(Protocol):
 
     def remove(self, path: str) -> None: ...
 
+    def move(self, path: str, new_path: str) -> None: ...
+
     def remove_dir_if_empty(self, path: str) -> None: ...
 
     def unfinished_uploads(self, directory: str) -> list[Upload]: ...
@@ -169,7 +171,11 @@ class LocalSource:
     def read_into(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):
-            count = os.preadv(self.fd, [view[done:]], offset + done)
+            try:
+                count = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as error:
+                # A disk error names no file by itself: say which one, keeping its type.
+                raise type(error)(error.errno, error.strerror, self.path) from error
             if count == 0:
                 raise self._bad("it ended early (truncated)")
             done += count
@@ -293,6 +299,13 @@ class LocalStorage:
     def remove_dir_if_empty(self, path: str) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(path)
+
+    def move(self, path: str, new_path: str) -> None:
+        """Renames the file or directory `path` to `new_path`, which must not exist."""
+        if os.path.lexists(new_path):
+            raise FileExistsError(f"{new_path} already exists")
+        os.rename(path, new_path)
+        fsync_dir(os.path.dirname(new_path) or ".")
 
     def unfinished_uploads(self, directory: str) -> list[Upload]:
         """Local writes leave temporary files instead (`_directory.remove_leftovers`)."""

@@ -1,0 +1,171 @@
+"""What `CheckpointManager.restore`'s fallback leaves behind: a checkpoint it skipped as
+unreadable (corrupt, or a disk read error) is moved aside, whole, under a name no listing
+counts, so that the run resuming from the older one saves that step again; and a disk read
+error is a fallback, named by file, like corruption."""
+
+import errno
+import os
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+from eqx_train import checkpoints
+from eqx_train.checkpoints import CheckpointManager, UnreadableCheckpointWarning, _storage
+from tests.test_docs_examples import DOCS, _blocks
+
+
+def _state(step):
+    return {"w": np.full(4, float(step), np.float32)}
+
+
+def _corrupt(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def _saved(directory, steps, **options):
+    manager = CheckpointManager(directory, keep_latest=len(steps), handle_sigterm=False, **options)
+    for step in steps:
+        manager.save(step, _state(step))
+    manager.close()
+
+
+def test_a_skipped_corrupt_checkpoint_is_moved_aside_whole_and_its_step_saves_again(tmp_path):
+    _saved(tmp_path, [5, 6, 7])
+    bad = tmp_path / "checkpoint_7.safetensors"
+    _corrupt(bad)
+    evidence = bad.read_bytes()
+    manager = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
+    with pytest.warns(UnreadableCheckpointWarning) as caught:
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
+    moved = tmp_path / "corrupt-checkpoint_7.safetensors"
+    [message] = [str(w.message) for w in caught]
+    assert str(bad) in message and str(moved) in message
+    assert moved.read_bytes() == evidence  # never deleted, never changed
+    assert manager.all_steps() == [5, 6]
+    manager.save(7, _state(70))  # was: "a checkpoint at step 7 already exists"
+    np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 70.0))
+    assert moved.read_bytes() == evidence  # retention never touches it
+
+
+def test_should_save_saves_the_step_of_a_checkpoint_the_fallback_skipped(tmp_path):
+    _saved(tmp_path, [6, 7])
+    _corrupt(tmp_path / "checkpoint_7.safetensors")
+    manager = CheckpointManager(tmp_path, keep_latest=2, save_interval_steps=1)
+    assert not manager.should_save(7)  # before the restore, step 7 looks saved
+    with pytest.warns(UnreadableCheckpointWarning):
+        manager.restore(_state(0))
+    assert manager.should_save(7)  # the resumed run redoes step 7: it must save it
+    manager.close()
+
+
+def test_a_second_corrupt_copy_of_a_step_is_moved_aside_under_a_new_name(tmp_path):
+    _saved(tmp_path, [6, 7])
+    (tmp_path / "corrupt-checkpoint_7.safetensors").write_bytes(b"an earlier one")
+    _corrupt(tmp_path / "checkpoint_7.safetensors")
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.warns(UnreadableCheckpointWarning, match="corrupt-2-checkpoint_7"):
+        manager.restore(_state(0))
+    assert (tmp_path / "corrupt-checkpoint_7.safetensors").read_bytes() == b"an earlier one"
+    assert (tmp_path / "corrupt-2-checkpoint_7.safetensors").exists()
+
+
+def test_a_skipped_shards_checkpoint_is_moved_aside_whole(tmp_path):
+    checkpoints.save_checkpoint_multiprocess(tmp_path, _state(6), 6)
+    bad = checkpoints.save_checkpoint_multiprocess(tmp_path, _state(7), 7, keep=2)
+    [piece] = [n for n in os.listdir(bad) if n != "index.safetensors"]
+    _corrupt(os.path.join(bad, piece))
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.warns(UnreadableCheckpointWarning, match="corrupt-checkpoint_7.shards"):
+        np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 6.0))
+    moved = tmp_path / "corrupt-checkpoint_7.shards"
+    assert sorted(os.listdir(moved)) == sorted(["index.safetensors", piece])
+    assert manager.all_steps() == [6]
+    checkpoints.save_checkpoint_multiprocess(tmp_path, _state(7), 7, keep=2)  # unblocked
+    assert manager.all_steps() == [6, 7]
+
+
+def test_a_skipped_checkpoint_on_an_object_store_is_moved_aside_whole(tmp_path):
+    url = f"memory://fallback-{tmp_path.name}"
+    _saved(url, [6, 7])
+    manager = CheckpointManager(url, keep_latest=2, handle_sigterm=False)
+    store = manager._store
+    bad = store.join(manager.directory, "checkpoint_7.safetensors")
+    data = bytearray(store.open(bad).size)
+    source = store.open(bad)
+    source.read_into(memoryview(data), 0)
+    source.close()
+    data[-1] ^= 0xFF
+    store.atomic_write(bad, lambda stream: stream.write(bytes(data)))
+    with pytest.warns(UnreadableCheckpointWarning, match="corrupt-checkpoint_7.safetensors"):
+        manager.restore(_state(0))
+    assert manager.all_steps() == [6]
+    moved = store.join(manager.directory, "corrupt-checkpoint_7.safetensors")
+    assert store.is_file(moved) and store.open(moved).size == len(data)
+    manager.save(7, _state(7))
+    assert manager.all_steps() == [6, 7]
+
+
+def test_the_exact_resume_recipe_resumes_past_a_corrupt_newest_checkpoint(tmp_path):
+    """docs/resuming_exactly.md's `train`, run as written: stopped after 7 steps, its
+    newest checkpoint (step 7) damaged, then run again. It falls back to step 6 and must
+    save step 7 again and finish."""
+    page = DOCS / "resuming_exactly.md"
+    [(line, _, recipe), *_] = _blocks(page.read_text(), str(page))
+    namespace: dict = {}
+    exec(compile("\n" * (line - 1) + recipe, str(page), "exec"), namespace)
+    workdir = str(tmp_path)
+    namespace["train"](workdir, stop_after=7)
+    _corrupt(tmp_path / "checkpoint_7.safetensors")
+    with pytest.warns(UnreadableCheckpointWarning, match="checkpoint_7"):
+        carry = namespace["train"](workdir)
+    assert int(carry["position"]) == namespace["STEPS"]
+    assert (tmp_path / "corrupt-checkpoint_7.safetensors").exists()
+
+
+# ---------------------------------------------------------------- disk read errors
+
+
+@pytest.fixture
+def eio_reading(monkeypatch):
+    """Makes every read of the named file fail with EIO, as a failing disk does."""
+    failing = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        if os.path.realpath(f"/proc/self/fd/{fd}") in failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(_storage.os, "preadv", preadv)
+    return lambda path: failing.append(os.path.realpath(path))
+
+
+def test_a_disk_read_error_in_restore_checkpoint_names_the_file(tmp_path, eio_reading):
+    path = checkpoints.save_checkpoint(tmp_path, _state(1), 1)
+    eio_reading(path)
+    with pytest.raises(OSError, match=re.escape(path)) as raised:
+        checkpoints.restore_checkpoint(tmp_path, _state(0))
+    assert raised.value.errno == errno.EIO
+
+
+def test_a_disk_read_error_in_the_newest_checkpoint_falls_back_naming_the_file(
+    tmp_path, eio_reading
+):
+    _saved(tmp_path, [6, 7])
+    bad = str(tmp_path / "checkpoint_7.safetensors")
+    eio_reading(bad)
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
+    [warning] = caught
+    assert warning.category is UnreadableCheckpointWarning
+    assert f"{bad} (" in str(warning.message) and "Input/output error" in str(warning.message)
