@@ -95,6 +95,35 @@ def is_prng_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key, or an abstract one (a `ShapeDtypeStruct` of a key dtype, as
+    `eqx.filter_eval_shape` gives for a model holding a key): a target may hold either."""
+    return is_prng_key(x) or (
+        isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+
+
+def key_impl(key: Any) -> Any:
+    """The PRNG implementation of a typed key, concrete or abstract."""
+    if not isinstance(key, jax.ShapeDtypeStruct):
+        return jax.random.key_impl(key)
+    found = []
+
+    def key_data(traced: Any) -> Any:
+        found.append(jax.random.key_impl(traced))
+        return jax.random.key_data(traced)
+
+    jax.eval_shape(key_data, key)
+    return found[0]
+
+
+def _key_data(key: Any) -> Any:
+    """A key's data: its uint32 array (a `ShapeDtypeStruct` of it for an abstract key)."""
+    if isinstance(key, jax.ShapeDtypeStruct):
+        return jax.eval_shape(jax.random.key_data, key)
+    return jax.random.key_data(key)
+
+
 @dataclass(frozen=True)
 class LeafKind:
     """How one kind of leaf is saved (as a 0-d or n-d tensor), rebuilt without a target, and
@@ -140,10 +169,10 @@ def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
 LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind(
         "prng_key",
-        is_prng_key,
-        lambda key: jax.random.key_data(key),
+        _is_key,
+        _key_data,
         lambda a, entry: _wrap_key(a, entry["impl"]),
-        lambda leaf, a: _place(_wrap_key(a, jax.random.key_impl(leaf)), leaf),
+        lambda leaf, a: _place(_wrap_key(a, key_impl(leaf)), leaf),
     ),
     LeafKind(
         "array",

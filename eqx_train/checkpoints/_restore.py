@@ -29,7 +29,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
 from .._tree import path_to_name
 from . import _directory, _names, _selection
-from ._description import LeafKind, kind_of, rebuild
+from ._description import LeafKind, key_impl, kind_of, rebuild
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
@@ -342,12 +342,10 @@ def restore_from(
                 f"{expectation}"
             )
             continue
-        if kind.name == "prng_key" and saved_keys.get(name, str(jax.random.key_impl(leaf))) != str(
-            jax.random.key_impl(leaf)
-        ):
+        impl = str(key_impl(leaf)) if kind.name == "prng_key" else ""
+        if kind.name == "prng_key" and saved_keys.get(name, impl) != impl:
             problems.append(
-                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects "
-                f"{jax.random.key_impl(leaf)}"
+                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects {impl}"
             )
             continue
         (config_slots if is_config else slots).append((index, name, kind))

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import equinox as eqx
+    import jax
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
     from .._lazy import LazyModule
 
     eqx = LazyModule("equinox")
+    jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
 Config = Literal["target", "saved"]
@@ -45,8 +47,20 @@ def selected(target: Any, filter_spec: Any) -> list[bool]:
     if filter_spec is None:
         return [True] * len(leaves)
     dropped = object()
-    filtered = jtu.tree_leaves(eqx.filter(target, filter_spec, replace=dropped))
-    return [leaf is not dropped for leaf in filtered]
+
+    def judge(tree: Any) -> list[bool]:
+        filtered = jtu.tree_leaves(eqx.filter(tree, filter_spec, replace=dropped))
+        return [leaf is not dropped for leaf in filtered]
+
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        return judge(target)
+    # An abstract target (`eqx.filter_eval_shape`) stands for arrays: judge the filter on
+    # arrays of those shapes and dtypes (tracers, so nothing is allocated), or
+    # `eqx.is_array` would select none of its placeholders and restore nothing.
+    abstract, rest = eqx.partition(target, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    found: list[list[bool]] = []
+    jax.eval_shape(lambda arrays: found.append(judge(eqx.combine(arrays, rest))), abstract)
+    return found[0]
 
 
 def filtered_for_saving(target: Any, filter_spec: Any) -> Any:
