@@ -322,3 +322,75 @@ def test_two_leaves_saved_under_one_orbax_name_are_refused_where_orbax_loses_one
     ocp.PyTreeCheckpointer().save(path, {"a.b": np.ones(2), "a": {"b": np.zeros(2)}})
     with pytest.raises(CheckpointFormatError, match="two leaves are both named 'a.b'"):
         load_orbax_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------ deep metadata
+
+
+def _deep_metadata(kind: str) -> str:
+    if kind == "one leaf 3000 keys deep":
+        keys = [{"key": f"k{i}", "key_type": 2} for i in range(3000)]
+        entry = {"key_metadata": keys, "value_metadata": {"value_type": "None"}}
+        return json.dumps({"tree_metadata": {"deep": entry}})
+    return '{"tree_metadata": {}, "custom_metadata": ' + "[" * 3000 + "]" * 3000 + "}"
+
+
+@pytest.mark.parametrize("kind", ["one leaf 3000 keys deep", "JSON 3000 levels deep"])
+def test_metadata_nested_thousands_of_levels_deep_is_a_format_error_naming_it(tmp_path, kind):
+    path, _ = _plain_checkpoint(tmp_path)
+    (path / "_METADATA").write_text(_deep_metadata(kind))
+    with pytest.raises(CheckpointFormatError, match=f"{path / '_METADATA'} .*nested"):
+        load_orbax_checkpoint(path)
+
+
+def test_convert_orbax_of_deeply_nested_metadata_prints_one_line(tmp_path, capsys):
+    from eqx_train._cli import main
+
+    path, _ = _plain_checkpoint(tmp_path)
+    (path / "_METADATA").write_text(_deep_metadata("one leaf 3000 keys deep"))
+    assert main(["convert-orbax", str(path), str(tmp_path / "dst")]) == 1
+    captured = capsys.readouterr()
+    [line] = captured.err.splitlines()
+    assert str(path / "_METADATA") in line and "3000 levels deep" in line
+
+
+# ------------------------------------------------------------------------------ symbolic links
+
+
+def test_a_chunk_file_linked_outside_the_checkpoint_is_refused_naming_it(tmp_path):
+    path, _ = _plain_checkpoint(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes((path / "w" / "0").read_bytes())  # any local file, readable as a chunk
+    (path / "w" / "0").unlink()
+    (path / "w" / "0").symlink_to(secret)
+    with pytest.raises(CheckpointFormatError, match=f"{path / 'w' / '0'} leads .* outside"):
+        load_orbax_checkpoint(path)
+
+
+def test_an_array_directory_linked_outside_the_checkpoint_is_refused(tmp_path):
+    path, _ = _plain_checkpoint(tmp_path)
+    (path / "w").rename(tmp_path / "elsewhere")
+    (path / "w").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointFormatError, match="outside the checkpoint directory"):
+        load_orbax_checkpoint(path)
+
+
+def test_convert_orbax_copies_nothing_through_a_link_out_of_the_checkpoint(tmp_path, capsys):
+    from eqx_train._cli import main
+
+    path, _ = _plain_checkpoint(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes((path / "w" / "0").read_bytes())
+    (path / "w" / "0").unlink()
+    (path / "w" / "0").symlink_to(secret)
+    dst = tmp_path / "dst"
+    assert main(["convert-orbax", str(path), str(dst)]) == 1
+    assert "outside the checkpoint directory" in capsys.readouterr().err
+    assert not dst.exists() or not any(dst.iterdir())
+
+
+def test_a_chunk_file_linked_inside_the_checkpoint_is_read(tmp_path):
+    path, _ = _plain_checkpoint(tmp_path)
+    (path / "w" / "0").rename(path / "chunk-w-0")
+    (path / "w" / "0").symlink_to(os.path.join("..", "chunk-w-0"))
+    assert load_orbax_checkpoint(path)["w"].tobytes() == np.arange(3.0).tobytes()

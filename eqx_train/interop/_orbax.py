@@ -30,6 +30,7 @@ import numpy as np
 
 from ..checkpoints import engine
 from ..checkpoints.engine import (
+    MAX_DEPTH,
     MAX_NDIM,
     CheckpointFormatError,
     FileReader,
@@ -111,8 +112,8 @@ class OrbaxReader:
         self.metadata: dict[str, str] = {}  # no safetensors metadata
         self.metadata_path = os.path.join(directory, METADATA_NAME)
         self._ts = _tensorstore()
+        self._check_files()  # first: nothing is read through a link that leaves it
         self._parse_metadata()
-        self._check_files()
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -209,6 +210,9 @@ class OrbaxReader:
         key_metadata, value = entry.get("key_metadata"), entry.get("value_metadata")
         if not isinstance(key_metadata, list) or not key_metadata or not isinstance(value, dict):
             raise bad(f"{where} lacks a 'key_metadata' list or a 'value_metadata' object")
+        if len(key_metadata) > MAX_DEPTH:
+            # Rebuilding the tree recurses once a level: refuse what no real tree is.
+            raise bad(f"{where} is nested {len(key_metadata)} levels deep, more than {MAX_DEPTH}")
         keys, kinds = [], []
         for key in key_metadata:
             if (
@@ -251,8 +255,10 @@ class OrbaxReader:
 
     def _check_files(self) -> None:
         """Refuses what tensorstore would block on (a FIFO, a device: its reads never end)
-        or read whole into memory (an oversized manifest), anywhere below the directory,
-        through symbolic links too, before tensorstore opens anything."""
+        or read whole into memory (an oversized manifest), and symbolic links that lead out
+        of the checkpoint (their target's bytes would be read as array values), anywhere
+        below the directory, through symbolic links too, before anything is opened."""
+        inside = os.path.realpath(self.path)
         for root, files in self._walk(self.path):
             for name in files:
                 full = os.path.join(root, name)
@@ -262,6 +268,12 @@ class OrbaxReader:
                     continue
                 if not stat.S_ISREG(info.st_mode):
                     raise self.bad(f"{full} is not a regular file (a FIFO or a device?)")
+                real = os.path.realpath(full)
+                if os.path.commonpath([real, inside]) != inside:
+                    raise self.bad(
+                        f"{full} leads through a symbolic link to {real}, outside the "
+                        "checkpoint directory; copy the file in instead of linking it"
+                    )
                 if name == OCDBT_MANIFEST and info.st_size > _MAX_MANIFEST_BYTES:
                     raise self.bad(
                         f"{full} has {info.st_size} bytes, more than {_MAX_MANIFEST_BYTES}"
@@ -528,10 +540,11 @@ def load_orbax_checkpoint(
 
     `ImportError` naming the `eqx_train[orbax]` extra if tensorstore is missing;
     `FileNotFoundError` if `path` does not exist; `CheckpointFormatError` naming the path
-    for a directory that is not an Orbax checkpoint, an unfinished save, or a missing,
-    corrupt or hostile `_METADATA` (array names that leave the directory, non-numeric
-    dtypes, impossible shapes, missing data); `ValueError` for an ambiguous or unknown
-    `item` (listing the items) and for a checkpoint that does not match `target`.
+    for a directory that is not an Orbax checkpoint, an unfinished save, a symbolic link
+    that leads out of it, or a missing, corrupt or hostile `_METADATA` (array names that
+    leave the directory, nesting deeper than 200 levels, non-numeric dtypes, impossible
+    shapes, missing data); `ValueError` for an ambiguous or unknown `item` (listing the
+    items) and for a checkpoint that does not match `target`.
 
     **Differences from orbax:** no `restore_args`/transforms; orbax's custom type handlers
     and the pre-0.5 format (a `checkpoint` msgpack file, no `_METADATA`) are refused.
