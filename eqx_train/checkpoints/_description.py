@@ -258,6 +258,15 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
             raise OverflowError(
                 f"{caller}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
             )
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            # Every save path (sync, async, multi-process) describes its tree first: one
+            # check, before anything is written or snapshotted.
+            raise RuntimeError(
+                f"{caller}: leaf '{name}' is a jax.Array whose buffer has been deleted: it "
+                "was donated to a jitted function (a jit_step or pmap_step, or jax.jit with "
+                "donate_argnums) or deleted. Save the state that function returned, not "
+                "the one passed to it."
+            )
         data = kind.data(leaf)
         if not allow_global and isinstance(data, jax.Array) and not data.is_fully_addressable:
             raise ValueError(
