@@ -169,3 +169,9 @@ def test_a_disk_read_error_in_the_newest_checkpoint_falls_back_naming_the_file(
     [warning] = caught
     assert warning.category is UnreadableCheckpointWarning
     assert f"{bad} (" in str(warning.message) and "Input/output error" in str(warning.message)
+
+
+def test_a_prefix_that_would_list_checkpoints_moved_aside_is_refused(tmp_path):
+    # Its retention could otherwise delete what a manager of `checkpoint_` moved aside.
+    with pytest.raises(ValueError, match="starts with 'corrupt-'"):
+        CheckpointManager(tmp_path, prefix="corrupt-checkpoint_")

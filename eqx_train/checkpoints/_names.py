@@ -38,6 +38,7 @@ SUFFIX = ".safetensors"
 SHARDED_SUFFIX = ".shards"
 INDEX_NAME = "index.safetensors"
 TEMP_MARK = ".tmp-"
+QUARANTINE_MARK = "corrupt-"  # a checkpoint skipped as unreadable: `quarantine_name`
 MAX_NAME_BYTES = 200  # file systems allow 255; leave room for the temporary-name decoration
 
 # ------------------------------------------------------------------ inside a file's header
@@ -114,6 +115,11 @@ def check_prefix(prefix: Any, caller: str) -> str:
         problems.append("it contains a path separator or NUL, so files would land elsewhere")
     if prefix.startswith("."):
         problems.append("it starts with '.', which marks this library's temporary files")
+    if prefix.startswith(QUARANTINE_MARK):
+        problems.append(
+            f"it starts with '{QUARANTINE_MARK}', which marks the checkpoints a manager moved "
+            "aside as unreadable"
+        )
     if re.search(r"\d[.eE+-]*$", prefix):
         problems.append(
             "it ends with a digit (and maybe '.', 'e', '+', '-'), so the step could not be told "
@@ -194,9 +200,6 @@ def checkpoint_pattern(prefix: str) -> re.Pattern[str]:
     """Matches `{prefix}{step}.safetensors` / `.shards` names; groups `step` and `suffix`."""
     suffixes = f"(?P<suffix>{re.escape(SUFFIX)}|{re.escape(SHARDED_SUFFIX)})"
     return re.compile(rf"{re.escape(prefix)}(?P<step>{_STEP}){suffixes}")
-
-
-QUARANTINE_MARK = "corrupt-"
 
 
 def quarantine_name(name: str, attempt: int) -> str:
