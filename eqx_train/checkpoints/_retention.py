@@ -8,7 +8,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from jax.typing import ArrayLike
@@ -88,7 +88,7 @@ class Ranking:
         entries: list[_directory.Entry],
         *,
         best_metric: str | None,
-        mode: Literal["min", "max"],
+        mode: str,
         gone_ok: bool,
     ) -> list[_directory.Entry]:
         """`entries` with a usable metric, best first (ties: newer first). The metrics are
@@ -136,7 +136,7 @@ class Ranking:
         list_checkpoints: Callable[[], list[_directory.Entry]],
         *,
         best_metric: str | None,
-        mode: Literal["min", "max"],
+        mode: str,
     ) -> _directory.Entry | None:
         """The best checkpoint by `best_metric`, ranked on one listing; listed again if
         retention removed a checkpoint while its metric was being read."""
