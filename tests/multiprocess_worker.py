@@ -166,6 +166,12 @@ elif mode == "manager":
         warnings.simplefilter("always")
         check(manager.restore(global_tree(0, mesh_1d, P("d"))), 2)
     assert len(caught) == 1 and "checkpoint_4.shards" in str(caught[0].message), caught
+    # Process 0 moved the corrupt step aside, for every process: step 4 saves again.
+    moved = os.path.join(directory, "corrupt-checkpoint_4.shards")
+    assert moved in str(caught[0].message), caught
+    assert manager.all_steps() == [2], manager.all_steps()
+    manager.save(4, global_tree(4, mesh_1d, P("d")), metrics={"loss": 0.3})
+    check(manager.restore(global_tree(0, mesh_1d, P("d"))), 4)
 elif mode == "zero_fails":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

@@ -51,7 +51,11 @@ def test_two_processes_save_retain_overwrite_restore_and_reshard_both_ways(tmp_p
 @pytest.mark.slow
 def test_checkpoint_manager_across_two_processes(tmp_path):
     _run_job("manager", 2, tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint_2.shards", "checkpoint_4.shards"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint_2.shards",
+        "checkpoint_4.shards",
+        "corrupt-checkpoint_4.shards",  # the corrupt step 4, moved aside by the fallback
+    ]
 
 
 @pytest.mark.slow
