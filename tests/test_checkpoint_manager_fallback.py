@@ -91,23 +91,44 @@ def test_a_skipped_shards_checkpoint_is_moved_aside_whole(tmp_path):
     assert manager.all_steps() == [6, 7]
 
 
-def test_a_skipped_checkpoint_on_an_object_store_is_moved_aside_whole(tmp_path):
-    url = f"memory://fallback-{tmp_path.name}"
-    _saved(url, [6, 7])
-    manager = CheckpointManager(url, keep_latest=2, handle_sigterm=False)
-    store = manager._store
-    bad = store.join(manager.directory, "checkpoint_7.safetensors")
-    data = bytearray(store.open(bad).size)
-    source = store.open(bad)
+def _flip_last_byte(store, path):
+    source = store.open(path)
+    data = bytearray(source.size)
     source.read_into(memoryview(data), 0)
     source.close()
     data[-1] ^= 0xFF
-    store.atomic_write(bad, lambda stream: stream.write(bytes(data)))
-    with pytest.warns(UnreadableCheckpointWarning, match="corrupt-checkpoint_7.safetensors"):
+    store.atomic_write(path, lambda stream: stream.write(bytes(data)))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "shards"])
+def test_a_skipped_checkpoint_on_an_object_store_is_moved_aside_whole(tmp_path, sharded):
+    url = f"memory://fallback-{tmp_path.name}"
+    if sharded:
+        for step in (6, 7):
+            checkpoints.save_checkpoint_multiprocess(url, _state(step), step, keep=2)
+    else:
+        _saved(url, [6, 7])
+    manager = CheckpointManager(url, keep_latest=2, handle_sigterm=False)
+    store = manager._store
+    name = "checkpoint_7.shards" if sharded else "checkpoint_7.safetensors"
+    bad = store.join(manager.directory, name)
+    files = [item.name for item in store.list(bad)] if sharded else [""]
+    pieces = {f: store.join(bad, f) if f else bad for f in files}
+    corrupted = {f: _flip_last_byte(store, p) for f, p in pieces.items() if "process" in f or not f}
+    with pytest.warns(UnreadableCheckpointWarning, match=f"corrupt-{name}"):
         manager.restore(_state(0))
     assert manager.all_steps() == [6]
-    moved = store.join(manager.directory, "corrupt-checkpoint_7.safetensors")
-    assert store.is_file(moved) and store.open(moved).size == len(data)
+    moved = store.join(manager.directory, f"corrupt-{name}")
+    for f, data in corrupted.items():
+        copy = store.join(moved, f) if f else moved
+        source = store.open(copy)
+        kept = bytearray(source.size)
+        source.read_into(memoryview(kept), 0)
+        source.close()
+        assert bytes(kept) == data  # the evidence, byte for byte
+    if sharded:
+        assert sorted(item.name for item in store.list(moved)) == sorted(files)
     manager.save(7, _state(7))
     assert manager.all_steps() == [6, 7]
 
