@@ -246,12 +246,12 @@ def test_a_cast_that_overflows_gives_inf_as_numpy_does(save):
     np.testing.assert_array_equal(restored["w"], np.array([np.inf, -np.inf, 1.0], np.float16))
 
 
-def test_casting_honours_a_target_sharded_over_eight_devices(save):
+def test_a_renamed_cast_leaf_keeps_a_sharding_over_eight_devices(save):
     mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
     sharding = NamedSharding(mesh, PartitionSpec("d"))
-    directory = save({"w": np.arange(32.0, dtype=np.float32).reshape(8, 4)})
+    directory = save({"w_old": np.arange(32.0, dtype=np.float32).reshape(8, 4)})
     target = {"w": jax.device_put(jnp.zeros((8, 4), jnp.bfloat16), sharding)}
-    restored = restore_checkpoint(directory, target, casting="same_kind")
+    restored = restore_checkpoint(directory, target, rename={"w": "w_old"}, casting="same_kind")
     assert restored["w"].sharding == sharding and restored["w"].dtype == jnp.bfloat16
     expected = np.arange(32.0).reshape(8, 4).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(restored["w"]), expected)
