@@ -31,7 +31,7 @@ from . import _selection
 from ._description import LeafKind, kind_of
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
-CASTINGS: tuple[str, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
+CASTINGS: tuple[Casting, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
 Rename = Mapping[str, str] | Callable[[str], str | None] | None
 _LISTED_NAMES = 5  # names a PartialRestoreWarning shows of each list before a count
 
@@ -93,7 +93,7 @@ def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str |
 
 def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
     """The strictest `casting` under which `saved` may be cast to `target`, or None."""
-    return next((c for c in CASTINGS if np.can_cast(saved, target, c)), None)  # type: ignore[arg-type]
+    return next((c for c in CASTINGS if np.can_cast(saved, target, c)), None)
 
 
 def cast_on_host(array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
@@ -172,7 +172,7 @@ def match(
     *,
     strict: bool,
     rename: Rename = None,
-    casting: str = "no",
+    casting: Casting = "no",
     config: _selection.Config = "target",
     filter_spec: Any = None,
     caller: str = "restore_checkpoint",
@@ -232,7 +232,9 @@ def match(
             shared_arrays.append((file_shape, file_dtype, shape, dtype))
         numeric = file_dtype.kind in "biuf"
         cast = dtype is not None and file_dtype != dtype
-        allowed = not cast or (kind.name != "prng_key" and np.can_cast(file_dtype, dtype, casting))  # type: ignore[arg-type]
+        allowed = not cast or (
+            kind.name != "prng_key" and np.can_cast(file_dtype, np.dtype(dtype), casting)
+        )
         if file_shape != shape or (dtype is None and not numeric) or not allowed:
             found.mismatched.append(source)
             found.problems.append(

@@ -191,7 +191,7 @@ def restore_entry(
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     rename: _matching.Rename = None,
-    casting: str = "no",
+    casting: _matching.Casting = "no",
 ) -> T:
     """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
     directly) into `target`. Raises `FileNotFoundError` if
@@ -264,7 +264,7 @@ def restore_from(
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     rename: _matching.Rename = None,
-    casting: str = "no",
+    casting: _matching.Casting = "no",
 ) -> Any:
     """`target` filled from `reader` (or, for `target=None`, the tree as saved).
 
