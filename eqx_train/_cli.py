@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,6 +137,29 @@ def _tree_lines(arrays: dict[str, tuple[tuple[int, ...], np.dtype]]) -> list[str
     return [f"  {a:<{width}}  {b:<{spec_width}}  {c}".rstrip() for a, b, c in rows]
 
 
+def _prefix_lines(arrays: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> list[str]:
+    """Every full dotted name, grouped under each of its prefixes with their tensor counts:
+    the names a restore's `rename={target prefix: saved prefix}` is written with."""
+    counts: dict[str, int] = {}
+    for name in arrays:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            prefix = ".".join(parts[:depth])
+            counts[prefix] = counts.get(prefix, 0) + 1
+    rows: list[tuple[str, str]] = []
+    for name, (shape, dtype) in arrays.items():
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            prefix = ".".join(parts[:depth])
+            count = counts.pop(prefix, None)  # a prefix's line comes once, before its names
+            if count is not None:
+                noun = "tensor" if count == 1 else "tensors"
+                rows.append(("  " * (depth - 1) + prefix, f"{count} {noun}"))
+        rows.append(("  " * (len(parts) - 1) + name, _spec(shape, dtype)))
+    width = max((len(a) for a, _ in rows), default=0)
+    return [f"  {a:<{width}}  {b}" for a, b in rows]
+
+
 def _metadata_lines(metadata: dict[str, str]) -> list[str]:
     lines = []
     step = metadata.get(engine.STEP_KEY)
@@ -198,7 +221,7 @@ def _inspect_foreign(error: ForeignCheckpoint, prefix: str) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        kind, reader = _open(args.path, args.prefix)
+        kind, reader = (_open_one if args.tree else _open)(args.path, args.prefix)
     except ForeignCheckpoint as foreign:
         _inspect_foreign(foreign, args.prefix)
         return 0
@@ -218,8 +241,11 @@ def _inspect(args: argparse.Namespace) -> int:
             for path, shard in reader.files().items():
                 size = sum(info.nbytes for info in shard.tensors.values())
                 print(f"file {os.path.basename(path)}: {len(shard.tensors)} tensors, {_size(size)}")
-        print("tensors:")
-        for line in _tree_lines(arrays):
+        if args.tree:  # full names under their prefixes, to write a rename= from
+            print("tensors by name prefix (restore_checkpoint's rename= maps these):")
+        else:
+            print("tensors:")
+        for line in _prefix_lines(arrays) if args.tree else _tree_lines(arrays):
             print(line)
     return 0
 
@@ -469,6 +495,12 @@ def _parser() -> argparse.ArgumentParser:
         "for a directory of checkpoints, list them.",
     )
     sub.add_argument("path", help="a checkpoint file, .shards or Hugging Face directory")
+    sub.add_argument(
+        "--tree",
+        action="store_true",
+        help="list every full dotted name under each of its prefixes, with tensor counts "
+        "(the names restore_checkpoint's rename= takes); a directory shows its latest",
+    )
     sub.set_defaults(run=_inspect)
     sub = command("verify", "Check every tensor against its checksum; exit 1 on any mismatch.")
     sub.add_argument("path", help="a checkpoint, or a directory of checkpoints (all checked)")

@@ -379,7 +379,8 @@ def test_missing_and_extra_keys_are_listed_in_one_error(tmp_path):
 def test_partial_restore_is_opt_in(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"old": np.ones(1), "same": np.full(1, 7.0)}, 1)
     target = {"new": np.zeros(1), "same": np.ones(1)}
-    restored = checkpoints.restore_checkpoint(tmp_path, target, strict=False)
+    with pytest.warns(checkpoints.PartialRestoreWarning, match=r"'new'[\s\S]*'old'"):
+        restored = checkpoints.restore_checkpoint(tmp_path, target, strict=False)
     np.testing.assert_array_equal(restored["same"], [7.0])
     assert restored["new"] is target["new"]
 
@@ -396,9 +397,10 @@ def test_restoring_one_leaf_reads_only_its_bytes(tmp_path, monkeypatch):
         return count
 
     monkeypatch.setattr(os, "preadv", counting_preadv)
-    restored = checkpoints.restore_checkpoint(
-        tmp_path, {"w3": np.zeros((256, 1024), np.float32)}, strict=False
-    )
+    with pytest.warns(checkpoints.PartialRestoreWarning, match="7 saved tensors went unused"):
+        restored = checkpoints.restore_checkpoint(
+            tmp_path, {"w3": np.zeros((256, 1024), np.float32)}, strict=False
+        )
     np.testing.assert_array_equal(restored["w3"], big["w3"])
     with open(checkpoints.latest_checkpoint(tmp_path), "rb") as f:
         header_bytes = 8 + int.from_bytes(f.read(8), "little")

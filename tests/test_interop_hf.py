@@ -11,7 +11,11 @@ import pytest
 import safetensors.numpy
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from eqx_train.checkpoints import CheckpointFormatError, restore_checkpoint
+from eqx_train.checkpoints import (
+    CheckpointFormatError,
+    PartialRestoreWarning,
+    restore_checkpoint,
+)
 from eqx_train.interop import load_sharded, save_sharded
 from tests.helpers import assert_trees_equal
 
@@ -102,7 +106,8 @@ def test_mismatch_with_target_is_listed_like_restore_checkpoint(tmp_path):
         load_sharded(tmp_path, {"a": np.zeros(4, np.float32), "c": np.zeros(1)})
     text = str(info.value)
     assert "'a': file has (3,) float32" in text and "'c': missing" in text and "'b'" in text
-    loaded = load_sharded(tmp_path, {"b": np.ones(2)}, strict=False)
+    with pytest.warns(PartialRestoreWarning, match=r"load_sharded: [\s\S]*'a'"):
+        loaded = load_sharded(tmp_path, {"b": np.ones(2)}, strict=False)
     np.testing.assert_array_equal(loaded["b"], np.zeros(2))
 
 
@@ -143,7 +148,8 @@ def test_a_layout_written_by_huggingface_hubs_splitter_loads(tmp_path):
         },
     )
     target = {"model.layers.0.bias": np.zeros(4, np.int64)}
-    partial = load_sharded(tmp_path, target, strict=False)
+    with pytest.warns(PartialRestoreWarning, match="'lm_head.weight'"):
+        partial = load_sharded(tmp_path, target, strict=False)
     np.testing.assert_array_equal(partial["model.layers.0.bias"], np.arange(4))
 
 
@@ -366,7 +372,8 @@ def test_only_the_shards_holding_needed_tensors_are_read(tmp_path, monkeypatch):
         return real(self, name, *args, **kwargs)
 
     monkeypatch.setattr(_format.FileReader, "read", spy)
-    loaded = load_sharded(tmp_path, {"v": np.zeros(64, np.float32)}, strict=False)
+    with pytest.warns(PartialRestoreWarning, match="saved tensors went unused"):
+        loaded = load_sharded(tmp_path, {"v": np.zeros(64, np.float32)}, strict=False)
     np.testing.assert_array_equal(loaded["v"], np.ones(64))
     assert read_from == [_index(tmp_path)["weight_map"]["v"]]
 

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from ._fallback import UnreadableCheckpointWarning as UnreadableCheckpointWarning
     from ._legacy import convert_pre_linen as convert_pre_linen
     from ._manager import CheckpointManager as CheckpointManager
+    from ._matching import PartialRestoreWarning as PartialRestoreWarning
     from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
+    from ._plan import RestorePlan as RestorePlan, plan_restore as plan_restore
     from ._selection import ConfigMismatchWarning as ConfigMismatchWarning
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
@@ -30,10 +32,13 @@ __getattr__, __dir__ = exports(
         "CheckpointFormatError": "_errors",
         "CheckpointManager": "_manager",
         "ConfigMismatchWarning": "_selection",
+        "PartialRestoreWarning": "_matching",
+        "RestorePlan": "_plan",
         "UnreadableCheckpointWarning": "_fallback",
         "available_steps": "_api",
         "convert_pre_linen": "_legacy",
         "latest_checkpoint": "_api",
+        "plan_restore": "_plan",
         "restore_checkpoint": "_api",
         "save_checkpoint": "_api",
         "save_checkpoint_multiprocess": "_api",
@@ -46,9 +51,12 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointManager",
     "ConfigMismatchWarning",
+    "PartialRestoreWarning",
+    "RestorePlan",
     "available_steps",
     "convert_pre_linen",
     "latest_checkpoint",
+    "plan_restore",
     "restore_checkpoint",
     "save_checkpoint",
     "save_checkpoint_multiprocess",

@@ -21,6 +21,7 @@ from . import (
     _directory,
     _format,
     _locations,
+    _matching,
     _multiprocess,
     _names,
     _restore,
@@ -412,6 +413,8 @@ def restore_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     config: _selection.Config = "target",
     filter_spec: Any = None,
+    rename: _matching.Rename = None,
+    casting: _matching.Casting = "no",
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -434,7 +437,21 @@ def restore_checkpoint(
     - `strict`: if True (default), every array leaf of `target` must be in the file with the
       same shape and dtype, and the file must hold nothing else. With `strict=False`, leaves
       missing from the file keep the target's value and extra tensors are ignored (shape and
-      dtype must still match).
+      dtype must still match), and one `PartialRestoreWarning` names them.
+    - `rename`: where each target leaf's values come from, by name (`layers.0.weight`, as the
+      errors and `eqx-train inspect --tree` print them). A mapping of name prefixes, target
+      prefix -> saved prefix: a prefix matches whole dot-separated segments, the longest
+      matching one wins, and `""` is the root (`{"": "encoder"}` loads the saved `encoder`
+      sub-tree into a standalone encoder). Or a function `target_name -> saved_name | None`
+      (None: the leaf keeps the target's value). Unmapped names map to themselves; two
+      target leaves may take the same saved tensor (tied weights). A mapping entry that
+      applies to no target leaf is an error. See `plan_restore` to check one first.
+    - `casting`: which dtype changes are allowed, in NumPy's vocabulary, judged by
+      `numpy.can_cast(saved dtype, target dtype, casting)`: `"no"` (default: dtypes must be
+      equal), `"equiv"`, `"safe"`, `"same_kind"` (float32 into bfloat16, say) or `"unsafe"`.
+      The cast happens on the host, before the leaf is placed on its devices, and is
+      NumPy's: a value out of the target's range becomes `inf` (float32 `1e6` into float16)
+      without a warning. PRNG key leaves are never cast.
     - `verify`: check every tensor read against the checksum recorded when it was saved
       (default). Files written before checksums existed have nothing to check.
     - `host_window_bytes`: the most leaf bytes held on the host at once while restoring
@@ -470,6 +487,7 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     _selection.check_config(config, "restore_checkpoint")
+    _matching.check_options(casting, rename, "restore_checkpoint")
     _transfer.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
@@ -484,4 +502,6 @@ def restore_checkpoint(
         config=config,
         filter_spec=filter_spec,
         host_window_bytes=host_window_bytes,
+        rename=rename,
+        casting=casting,
     )

@@ -19,6 +19,7 @@ from . import (
     _coordination,
     _directory,
     _locations,
+    _matching,
     _names,
     _preemption,
     _retention,
@@ -414,6 +415,9 @@ class CheckpointManager:
         fallback: bool = True,
         config: Literal["target", "saved"] = "target",
         filter_spec: Any = None,
+        strict: bool = True,
+        rename: _matching.Rename = None,
+        casting: _matching.Casting = "no",
     ) -> T:
         """Restores a checkpoint into the structure of `target`, as `restore_checkpoint`
         does.
@@ -435,6 +439,8 @@ class CheckpointManager:
           in the target), and a requested step or `"best"` never falls back.
         - `config`, `filter_spec`: as for `restore_checkpoint` (the target's Python
           configuration wins by default; `filter_spec` restores a part of the tree).
+        - `strict`, `rename`, `casting`: as for `restore_checkpoint`, for a model that
+          changed since the save (see `plan_restore`); the fallback works with them too.
 
         **Returns:**
 
@@ -457,10 +463,14 @@ class CheckpointManager:
         them skip it.
         """
         _selection.check_config(config, "CheckpointManager.restore")
+        _matching.check_options(casting, rename, "CheckpointManager.restore")
         self.wait()
         options: dict[str, Any] = {
             "config": config,
             "filter_spec": filter_spec,
+            "strict": strict,
+            "rename": rename,
+            "casting": casting,
             "host_window_bytes": self.host_window_bytes,
         }
         if step == "best":

@@ -27,9 +27,8 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
-from . import _directory, _names, _selection
-from ._description import LeafKind, key_impl, kind_of, rebuild
+from . import _directory, _matching, _names, _selection
+from ._description import LeafKind, rebuild
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
@@ -191,6 +190,8 @@ def restore_entry(
     config: _selection.Config = "target",
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+    rename: _matching.Rename = None,
+    casting: _matching.Casting = "no",
 ) -> T:
     """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
     directly) into `target`. Raises `FileNotFoundError` if
@@ -205,6 +206,8 @@ def restore_entry(
             config=config,
             filter_spec=filter_spec,
             host_window_bytes=host_window_bytes,
+            rename=rename,
+            casting=casting,
         )
 
 
@@ -237,19 +240,6 @@ def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     return nested
 
 
-def _describe(shape: Any, dtype: Any) -> str:
-    return f"{tuple(shape)} {np.dtype(dtype)}"
-
-
-def _expected(kind: LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | None]:
-    """What a target leaf needs from the file: its shape, and its dtype (None: a Python
-    scalar, which takes any dtype whose value converts exactly)."""
-    if kind.scalar_type is not None:
-        return (), None
-    data = kind.data(leaf)
-    return tuple(data.shape), np.dtype(data.dtype)
-
-
 def _fail(path: str, problems: list[str], strict: bool, caller: str, hint: str = "") -> None:
     listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
@@ -273,18 +263,20 @@ def restore_from(
     config: _selection.Config = "target",
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+    rename: _matching.Rename = None,
+    casting: _matching.Casting = "no",
 ) -> Any:
-    """The matcher: `target` filled from `reader` (or, for `target=None`, the tree as saved).
+    """`target` filled from `reader` (or, for `target=None`, the tree as saved).
 
-    Every array leaf of `target` is matched by key path against the checkpoint's tensors
-    (shape, dtype, PRNG key implementation; with `strict`, nothing missing or extra), every
-    problem listed in one `ValueError`, before any tensor data is read. Then only the
+    `_matching.match` pairs every data leaf of `target` with a saved tensor (by name through
+    `rename`; shape, dtype or a cast `casting` allows, PRNG key implementation; with
+    `strict`, nothing missing or extra; `filter_spec` and `config` as in `_selection`),
+    every problem listed in one `ValueError`, before any tensor data is read. Then only the
     tensors needed are read: whole, a window of `host_window_bytes` at a time (the next
-    leaves read and verified while earlier ones are placed on their devices), or device
-    block by device block for a sharded target (`_blockwise`). `caller` names the public
-    function in errors. `filter_spec` leaves out leaves (kept from the target); with
-    `config="target"` the Python scalars of Equinox modules are compared, not taken
-    (`_selection`).
+    leaves read, verified and cast on the host while earlier ones are placed on their
+    devices), or device block by device block for a sharded target (`_blockwise`). `caller`
+    names the public function in errors. With `strict=False`, a `PartialRestoreWarning`
+    says what did not match.
     """
     if target is None:
         if not reader.has_description:
@@ -300,123 +292,73 @@ def restore_from(
         except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown PRNG impl
             raise reader.bad(f"its tree cannot be rebuilt ({short(str(error), 160)})") from None
 
-    available = reader.arrays()
-    saved_keys = _saved_key_impls(reader)
-    pairs, treedef = jtu.tree_flatten_with_path(target)
-    leaves = [leaf for _, leaf in pairs]
-    chosen = _selection.selected(target, filter_spec)
-    slots: list[tuple[int, str, LeafKind]] = []
-    config_slots: list[tuple[int, str, LeafKind]] = []  # compared, not taken
-    shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
-    problems: list[str] = []
-    mismatched: list[str] = []
-    used: set[str] = set()
-    for index, (key_path, leaf) in enumerate(pairs):
-        kind = kind_of(leaf)
-        if kind is None:
-            continue  # not data: kept from the target
-        name = path_to_name(key_path)
-        if not chosen[index]:
-            used.add(name)  # left out by filter_spec: kept from the target, never "extra"
-            continue
-        is_config = (
-            config == "target"
-            and kind.scalar_type is not None
-            and _selection.is_module_field(target, key_path)
-        )
-        shape, dtype = _expected(kind, leaf)
-        expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
-        if name not in available:
-            if strict and not is_config:
-                problems.append(f"'{name}': missing from the file, target expects {expectation}")
-            continue
-        used.add(name)
-        file_shape, file_dtype = available[name]
-        if dtype is not None:
-            shared_arrays.append((file_shape, file_dtype, shape, dtype))
-        numeric = file_dtype.kind in "biuf"
-        if file_shape != shape or (file_dtype != dtype if dtype is not None else not numeric):
-            mismatched.append(name)
-            problems.append(
-                f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
-                f"{expectation}"
-            )
-            continue
-        impl = str(key_impl(leaf)) if kind.name == "prng_key" else ""
-        if kind.name == "prng_key" and saved_keys.get(name, impl) != impl:
-            problems.append(
-                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects {impl}"
-            )
-            continue
-        (config_slots if is_config else slots).append((index, name, kind))
-    if strict:
-        for name, (shape, dtype) in available.items():
-            if name not in used:
-                problems.append(
-                    f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
-                )
-    if problems:
+    found = _matching.match(
+        reader,
+        target,
+        strict=strict,
+        rename=rename,
+        casting=casting,
+        config=config,
+        filter_spec=filter_spec,
+        caller=caller,
+    )
+    if found.problems:
         # A file whose header was corrupted can look like a mismatch: its checksums say which.
-        for name in mismatched:
+        for name in found.mismatched:
             reader.read(name, verify=True)
-        _fail(reader.path, problems, strict, caller, _selection.replicated_hint(shared_arrays))
+        _fail(reader.path, found.problems, strict, caller, found.hint)
+    available, leaves, problems = reader.arrays(), found.leaves, []
 
-    whole = {
-        name: (index, kind)
-        for index, name, kind in slots
-        if not _blockwise(reader, leaves[index], kind)
-    }
+    def nbytes(name: str) -> int:  # held on the host: the saved bytes, and any cast copy
+        shape, dtype = available[name]
+        return math.prod(shape) * max(
+            [dtype.itemsize] + [2 * s.cast.itemsize for s in whole[name] if s.cast is not None]
+        )
+
+    whole: dict[str, list[_matching.Slot]] = {}  # saved name -> the leaves it fills
+    for slot in found.slots:
+        if not _blockwise(reader, leaves[slot.index], slot.kind):
+            whole.setdefault(slot.saved, []).append(slot)
     reads = windowed_reads(
         list(whole),
-        lambda name: math.prod(available[name][0]) * available[name][1].itemsize,
+        nbytes,
         lambda group: reader.read_many(group, verify=verify, parallel=parallel),
         HostWindow(host_window_bytes),
     )
     with closing(reads):
         for name, array in reads:
-            index, kind = whole[name]
-            try:
-                leaves[index] = kind.fill(leaves[index], array)
-            except ValueError as error:
-                problems.append(f"'{name}': {error}")
-                continue
-            # On the device before its host bytes count as released (an accelerator copies
-            # them asynchronously; a CPU device adopts them).
-            if isinstance(leaves[index], jax.Array):
-                leaves[index].block_until_ready()
-    for index, name, _ in slots:
-        if name not in whole:
-            leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
+            for slot in whole[name]:  # several leaves when rename ties them to one tensor
+                try:
+                    leaf = slot.kind.fill(
+                        leaves[slot.index], _matching.cast_on_host(array, slot.cast)
+                    )
+                except ValueError as error:
+                    problems.append(f"'{slot.target}': {error}")
+                    continue
+                # On the device before its host bytes count as released (an accelerator
+                # copies them asynchronously; a CPU device adopts them).
+                if isinstance(leaf, jax.Array):
+                    leaf.block_until_ready()
+                leaves[slot.index] = leaf
+    for slot in found.slots:
+        if slot.saved not in whole:
+            leaves[slot.index] = _read_blockwise(
+                reader, slot.saved, leaves[slot.index], verify, slot.cast
+            )
     # Python scalars: a few bytes each, read outside the window.
     config_arrays = reader.read_many(
-        [name for _, name, _ in config_slots], verify=verify, parallel=parallel
+        list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
     )
     if problems:
         _fail(reader.path, problems, strict, caller)
     differences = _selection.config_differences(
-        [(name, leaves[index], kind, config_arrays[name]) for index, name, kind in config_slots]
+        [(s.target, leaves[s.index], s.kind, config_arrays[s.saved]) for s in found.config_slots]
     )
     if differences:
         _selection.warn_config(reader.path, differences, caller)
-    return jtu.tree_unflatten(treedef, leaves)
-
-
-def _saved_key_impls(reader: Reader) -> dict[str, str]:
-    """The implementation of every typed PRNG key the file's tree records, by tensor name."""
-    if not reader.has_description:
-        return {}
-    found: dict[str, str] = {}
-    stack = [reader.description()]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("kind") == "prng_key":
-                found[node["tensor"]] = node["impl"]
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
+    if not strict:
+        _matching.warn_partial(reader.path, found, caller)
+    return jtu.tree_unflatten(found.treedef, leaves)
 
 
 def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:
@@ -428,13 +370,16 @@ def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:
     return isinstance(reader, ShardedReader) or not sharding.is_fully_addressable
 
 
-def _read_blockwise(reader: Reader, name: str, leaf: Any, verify: bool) -> jax.Array:
+def _read_blockwise(
+    reader: Reader, name: str, leaf: Any, verify: bool, cast: np.dtype | None = None
+) -> jax.Array:
     shape, sharding = tuple(leaf.shape), leaf.sharding
     read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
     blocks = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
         if bounds not in read:
-            read[bounds] = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
+            block = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
+            read[bounds] = _matching.cast_on_host(block, cast)
         blocks.append(jax.device_put(read[bounds], device))
     return jax.make_array_from_single_device_arrays(shape, sharding, blocks)

@@ -1,0 +1,128 @@
+"""`plan_restore`: what a restore into a target would do (which saved tensor fills each
+leaf, what is cast, kept or unused, what would be refused), from the checkpoint's headers
+alone, decided by the restore's own matcher (`_matching.match`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _locations, _matching, _names, _restore, _selection
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What `restore_checkpoint` (or `CheckpointManager.restore`) would do with a target, as
+    returned by `plan_restore`. `str(plan)` is a readable table.
+
+    **Attributes:**
+
+    - `path`: the checkpoint the plan was made for.
+    - `taken`: target name -> the saved name its values come from (the same name unless
+      `rename` changed it).
+    - `cast`: target name -> (saved dtype, target dtype), for the taken leaves cast on the
+      way in.
+    - `kept`: target names that keep the target's values (no saved tensor with
+      `strict=False`, left out by `filter_spec`, or given no source by `rename`).
+    - `unused`: saved names no target leaf takes.
+    - `problems`: what the restore would refuse, one line each, naming the leaf.
+    """
+
+    path: str
+    taken: dict[str, str]
+    cast: dict[str, tuple[np.dtype, np.dtype]]
+    kept: list[str]
+    unused: list[str]
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether the restore would succeed (no problems)."""
+        return not self.problems
+
+    def __str__(self) -> str:
+        rows = [("target", "saved", "")]
+        for name, saved in self.taken.items():
+            if name in self.cast:
+                before, after = self.cast[name]
+                action = f"cast {before} -> {after}"
+            else:
+                action = "taken" if saved == name else "taken, renamed"
+            rows.append((name, saved, action))
+        rows += [(name, "-", "kept (target's value)") for name in self.kept]
+        rows += [("-", name, "unused") for name in self.unused]
+        width = [max(len(row[i]) for row in rows) for i in range(2)]
+        verdict = "would succeed" if self.ok else f"would fail ({len(self.problems)} problems)"
+        lines = [f"restore from {self.path} {verdict}:"]
+        lines += [f"  {a:<{width[0]}}  {b:<{width[1]}}  {c}".rstrip() for a, b, c in rows]
+        if self.problems:
+            lines.append("problems:")
+            lines += [f"  {problem}" for problem in self.problems]
+        return "\n".join(lines)
+
+
+def plan_restore(
+    ckpt_dir: str | os.PathLike[str],
+    target: Any,
+    *,
+    step: _names.Step | None = None,
+    prefix: str = "checkpoint_",
+    strict: bool = True,
+    rename: _matching.Rename = None,
+    casting: _matching.Casting = "no",
+    filter_spec: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    config: _selection.Config = "target",
+) -> RestorePlan:
+    """What `restore_checkpoint(ckpt_dir, target, ...)` with the same arguments would do,
+    read from the checkpoint's headers only (no tensor data), by the restore's own
+    matcher.
+
+    **Arguments:**
+
+    - `ckpt_dir`, `step`, `prefix`, `storage_options`: which checkpoint, as for
+      `restore_checkpoint`.
+    - `target`: the pytree a restore would fill (arrays or `jax.ShapeDtypeStruct`s).
+    - `strict`, `rename`, `casting`, `filter_spec`, `config`: as for `restore_checkpoint`.
+
+    **Returns:**
+
+    A `RestorePlan`: `taken`, `cast`, `kept`, `unused`, `problems`, `ok`; print it for a
+    table. Its `problems` are the lines the restore's error would list.
+
+    **Raises:**
+
+    `FileNotFoundError` if there is no checkpoint to plan for (where a restore would return
+    `target` unchanged); `ValueError` for a missing `step`; `CheckpointFormatError` for a
+    checkpoint whose headers are not valid.
+    """
+    caller = "plan_restore"
+    _selection.check_config(config, caller)
+    _matching.check_options(casting, rename, caller)
+    store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
+    entry, _ = _restore._resolve(store, where, step, prefix)
+    if entry is None:
+        raise FileNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
+    with _restore.open_reader(store, entry) as reader:
+        found = _matching.match(
+            reader,
+            target,
+            strict=strict,
+            rename=rename,
+            casting=casting,
+            config=config,
+            filter_spec=filter_spec,
+            caller=caller,
+        )
+        return RestorePlan(
+            reader.path,
+            dict(found.taken),
+            dict(found.cast),
+            list(found.kept),
+            list(found.unused),
+            list(found.problems),
+        )
