@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -13,6 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 __all__ = ["DTYPES", "arrays", "keys", "shapes"]
+
+#: A composite strategy's `draw` (hypothesis's `DrawFn` is a Protocol that run-time type
+#: checkers such as beartype cannot check).
+Draw = Callable[[st.SearchStrategy], Any]
 
 #: Every dtype eqx_train saves, simplest first: a failing example shrinks towards float32
 #: and the dtypes nearer the front.
@@ -69,7 +73,7 @@ def _as_strategy(value: Any, what: str) -> st.SearchStrategy:
 
 
 @st.composite
-def _arrays(draw: st.DrawFn, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -> np.ndarray:
+def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -> np.ndarray:
     dtype = np.dtype(draw(dtypes))
     shape = tuple(draw(shapes_))
     if dtype.kind == "V" or dtype.name.startswith(("bfloat16", "float8")):
@@ -110,7 +114,7 @@ def arrays(
 
 
 @st.composite
-def _keys(draw: st.DrawFn, impls: st.SearchStrategy, shapes_: st.SearchStrategy) -> jax.Array:
+def _keys(draw: Draw, impls: st.SearchStrategy, shapes_: st.SearchStrategy) -> jax.Array:
     impl = draw(impls)
     shape = tuple(draw(shapes_))
     data = draw(hnp.arrays(np.uint32, (*shape, _KEY_WORDS[impl])))

@@ -72,7 +72,8 @@ def show(x: Any) -> str:
             head = f"{leaf_kind(x)} {x.dtype}{list(np.shape(x))}"
             values = np.asarray(x)
         if isinstance(x, jax.Array):
-            head += f" weak_type={x.weak_type} sharding={x.sharding}"
+            weak = "" if _is_key(x) else f" weak_type={x.weak_type}"
+            head += f"{weak} sharding={x.sharding}"
         text = f"{head} {np.array2string(values, threshold=20, edgeitems=2)}"
     else:
         text = f"{leaf_kind(x)} {type(x).__name__} {x!r}"
@@ -90,7 +91,9 @@ def _first_index(mask: np.ndarray, shape: tuple[int, ...]) -> str:
     return str(tuple(int(i) for i in index))
 
 
-def _value_difference(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> str | None:
+def _value_difference(
+    a: np.ndarray, b: np.ndarray, rtol: float | int, atol: float | int
+) -> str | None:
     """Where two arrays of one dtype and shape differ: bit for bit when `rtol == atol == 0`
     (NaN equals the same NaN, -0.0 differs from 0.0), else within `atol + rtol * |b|` (NaNs
     equal NaNs, infinities only themselves; booleans always exactly)."""
@@ -124,7 +127,7 @@ def _float_bits(x: float) -> bytes:
     return struct.pack("<d", x)
 
 
-def _scalar_difference(a: Any, b: Any, rtol: float, atol: float) -> str | None:
+def _scalar_difference(a: Any, b: Any, rtol: float | int, atol: float | int) -> str | None:
     if type(a) is not type(b):
         return f"type differs: {type(a).__name__} vs {type(b).__name__}"
     if rtol == 0 and atol == 0:
@@ -137,7 +140,9 @@ def _scalar_difference(a: Any, b: Any, rtol: float, atol: float) -> str | None:
     return None if same else "value differs"
 
 
-def _array_difference(a: Any, b: Any, rtol: float, atol: float, weak_type: bool) -> str | None:
+def _array_difference(
+    a: Any, b: Any, rtol: float | int, atol: float | int, weak_type: bool
+) -> str | None:
     """Arrays (JAX, NumPy, NumPy scalars, typed keys) of the same kind."""
     if _is_key(a):
         impl_a, impl_b = jax.random.key_impl(a), jax.random.key_impl(b)
@@ -150,7 +155,7 @@ def _array_difference(a: Any, b: Any, rtol: float, atol: float, weak_type: bool)
     if isinstance(a, jax.Array):
         if not a.sharding.is_equivalent_to(b.sharding, a.ndim):
             return f"sharding differs: {a.sharding} vs {b.sharding}"
-        if weak_type and a.weak_type != b.weak_type:
+        if weak_type and not _is_key(a) and a.weak_type != b.weak_type:
             return f"weak type differs: weak_type={a.weak_type} vs weak_type={b.weak_type}"
     if _is_key(a):
         a, b, rtol, atol = jax.random.key_data(a), jax.random.key_data(b), 0, 0  # keys: exact
@@ -168,7 +173,9 @@ def _other_difference(a: Any, b: Any) -> str | None:
     return None if same else "`==` is False"
 
 
-def _leaf_difference(a: Any, b: Any, rtol: float, atol: float, weak_type: bool) -> str | None:
+def _leaf_difference(
+    a: Any, b: Any, rtol: float | int, atol: float | int, weak_type: bool
+) -> str | None:
     kind_a, kind_b = leaf_kind(a), leaf_kind(b)
     if kind_a != kind_b:
         return f"leaf kind differs: {kind_a} vs {kind_b}"
@@ -206,7 +213,7 @@ def _node_difference(a: Any, b: Any, pairs_a: list, pairs_b: list) -> str | None
 
 
 def tree_differences(
-    a: Any, b: Any, *, rtol: float = 0, atol: float = 0, weak_type: bool = True
+    a: Any, b: Any, *, rtol: float | int = 0, atol: float | int = 0, weak_type: bool = True
 ) -> tuple[list[tuple[str, str, Any, Any]], int]:
     """Every difference between `a` and `b` as `(path, what differs, a's side, b's side)` in
     flattening order, and how many leaves differ in all (a subtree whose structure differs
@@ -244,8 +251,8 @@ def difference_message(
     a: Any,
     b: Any,
     *,
-    rtol: float = 0,
-    atol: float = 0,
+    rtol: float | int = 0,
+    atol: float | int = 0,
     weak_type: bool = True,
     names: tuple[str, str] = ("first", "second"),
     describe: Callable[[Any], str] = show,
@@ -264,7 +271,7 @@ def difference_message(
     )
 
 
-def assert_trees_equal(a: Any, b: Any, *, rtol: float = 0, atol: float = 0) -> None:
+def assert_trees_equal(a: Any, b: Any, *, rtol: float | int = 0, atol: float | int = 0) -> None:
     """Asserts that two pytrees are equal, saying where and how they differ if not.
 
     Compared, node by node: the structure (node types, dict keys and their order, static

@@ -8,7 +8,9 @@ shape, seconds per example, where filling costs microseconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -20,6 +22,7 @@ import optax
 from hypothesis import strategies as st
 
 from ..train_state import TrainState
+from ._array_strategies import Draw
 
 __all__ = ["modules", "train_states"]
 
@@ -34,6 +37,18 @@ _OPTIMISERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-3),
     "clipped_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
 }
+
+
+@contextlib.contextmanager
+def _global_random_untouched() -> Iterator[None]:
+    """Puts back the `random` module's state: a run-time type checker (beartype, through
+    jaxtyping's import hook) checks a container by sampling its items with `random`, and
+    hypothesis refuses strategies that change that state. Nothing drawn depends on it."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 def _fill(tree: Any, rng: np.random.Generator, *, non_negative: bool = False) -> Any:
@@ -57,7 +72,7 @@ def _fill(tree: Any, rng: np.random.Generator, *, non_negative: bool = False) ->
 
 
 @st.composite
-def _layer_spec(draw: st.DrawFn, kind: str, features: int) -> tuple[str, dict[str, Any], int]:
+def _layer_spec(draw: Draw, kind: str, features: int) -> tuple[str, dict, int]:
     """The constructor arguments of one layer taking `features` inputs, and its outputs."""
     out = draw(st.integers(1, 4))
     if kind == "linear":
@@ -89,8 +104,11 @@ def _layer_spec(draw: st.DrawFn, kind: str, features: int) -> tuple[str, dict[st
     return kind, {"p": p, "inference": inference}, features
 
 
-def _build(specs: list[tuple[str, dict[str, Any]]], dtype: np.dtype) -> Any:
-    """`eqx.nn.make_with_state` of the layers `specs` (one layer, or a Sequential)."""
+def _build(specs: list, dtype: np.dtype) -> Any:
+    """`eqx.nn.make_with_state` of the layers `specs`, `[(kind, constructor arguments)]`
+    (one layer, or a Sequential).
+
+    """
     constructors: dict[str, Callable[..., Any]] = {
         "linear": eqx.nn.Linear,
         "mlp": eqx.nn.MLP,
@@ -102,7 +120,7 @@ def _build(specs: list[tuple[str, dict[str, Any]]], dtype: np.dtype) -> Any:
     keyed = ("linear", "mlp", "conv")
     typed = ("linear", "mlp", "conv", "layer_norm", "batch_norm")
 
-    def layer(kind: str, arguments: dict[str, Any], key: jax.Array) -> Any:
+    def layer(kind: str, arguments: dict, key: jax.Array) -> Any:
         extra = {"key": key} if kind in keyed else {}
         extra |= {"dtype": jnp.dtype(dtype)} if kind in typed else {}
         return constructors[kind](**arguments, **extra)
@@ -119,7 +137,7 @@ def _build(specs: list[tuple[str, dict[str, Any]]], dtype: np.dtype) -> Any:
 
 
 @st.composite
-def _modules(draw: st.DrawFn) -> tuple[Any, eqx.nn.State]:
+def _modules(draw: Draw) -> tuple[Any, eqx.nn.State]:
     kind = draw(st.sampled_from(_LAYERS))
     features = draw(st.integers(1, 4))
     if kind == "sequential":
@@ -132,7 +150,8 @@ def _modules(draw: st.DrawFn) -> tuple[Any, eqx.nn.State]:
         specs.append((layer_kind, arguments))
     dtype = draw(st.sampled_from(_FLOAT_DTYPES))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    return _fill(_build(specs, dtype), rng)
+    with _global_random_untouched():
+        return _fill(_build(specs, dtype), rng)
 
 
 def modules() -> st.SearchStrategy[tuple[Any, eqx.nn.State]]:
@@ -154,16 +173,17 @@ def modules() -> st.SearchStrategy[tuple[Any, eqx.nn.State]]:
 
 
 @st.composite
-def _train_states(draw: st.DrawFn) -> TrainState:
+def _train_states(draw: Draw) -> TrainState:
     model, _ = draw(modules())
     tx = _OPTIMISERS[draw(st.sampled_from(list(_OPTIMISERS)))]()
-    abstract = eqx.filter_eval_shape(TrainState.create, model=model, tx=tx)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    # Non-negative: Adam's second moments must be, or a step would take square roots of
-    # negative numbers.
-    opt_state = _fill(abstract.opt_state, rng, non_negative=True)
-    step = jnp.asarray(draw(st.integers(0, 10_000)), jnp.int32)
-    return abstract.replace(model=model, opt_state=opt_state, step=step)
+    seed, step = draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 10_000))
+    with _global_random_untouched():
+        abstract = eqx.filter_eval_shape(TrainState.create, model=model, tx=tx)
+        # Non-negative: Adam's second moments must be, or a step would take square roots
+        # of negative numbers.
+        opt_state = _fill(abstract.opt_state, np.random.default_rng(seed), non_negative=True)
+        step = jnp.asarray(step, jnp.int32)
+        return abstract.replace(model=model, opt_state=opt_state, step=step)
 
 
 def train_states() -> st.SearchStrategy[TrainState]:

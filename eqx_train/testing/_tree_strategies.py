@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from hypothesis import strategies as st
 
-from ._array_strategies import arrays
+from ._array_strategies import Draw, arrays
 
 __all__ = ["Pair", "RandomModule", "pytrees"]
 
@@ -74,7 +74,7 @@ def pytrees(
 
 
 @st.composite
-def _pytrees(draw: st.DrawFn, leaf: st.SearchStrategy, max_leaves: int, max_depth: int) -> Any:
+def _pytrees(draw: Draw, leaf: st.SearchStrategy, max_leaves: int, max_depth: int) -> Any:
     def node(depth: int, cap: int) -> tuple[Any, int]:
         """A subtree with at most `cap` (>= 1) leaves, and how many it has."""
         # A leaf when out of depth or room, or when the (shrinking) coin says so.
