@@ -44,12 +44,14 @@ def _directory(directory: str | os.PathLike[str] | None) -> Iterator[str]:
 
 
 def _save(directory: str, tree: Any, options: dict[str, Any]) -> str:
-    """Saves `tree` as a step newer than any in `directory` (nothing there is replaced);
-    returns the file's path once it is written (an async save is waited for)."""
+    """Saves `tree` as a step newer than any in `directory` (nothing there is replaced, nor
+    pruned unless `options` set `keep`); returns the file's path once it is written (an
+    async save is waited for)."""
     prefix = options.get("prefix", "checkpoint_")
     storage = options.get("storage_options")
     steps = checkpoints.available_steps(directory, prefix=prefix, storage_options=storage)
     step = int(max(steps)) + 1 if steps else 0
+    options = {"keep": 1 << 62, **options}
     path = checkpoints.save_checkpoint(directory, tree, step, **options)
     manager = options.get("async_manager")
     if manager is not None:
@@ -126,7 +128,7 @@ def assert_checkpoint_roundtrip(
     """Asserts that `tree` survives a checkpoint: saved, then restored, it is the same tree.
 
     Saves `tree` with `eqx_train.checkpoints.save_checkpoint` (as a step newer than any
-    already in `directory`, so nothing there is replaced), then:
+    already in `directory`, keeping the others unless `keep` is given), then:
 
     1. restores it into `tree` and asserts the result equals `tree` as
        `assert_trees_equal` compares them: structure, leaf kinds, dtypes, shapes,

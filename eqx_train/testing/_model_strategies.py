@@ -9,6 +9,7 @@ shape, seconds per example, where filling costs microseconds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,7 +67,7 @@ def _fill(tree: Any, rng: np.random.Generator, *, non_negative: bool = False) ->
         else:
             draw = rng.random if non_negative else rng.standard_normal
             values = draw(x.shape).astype(dtype)
-        return jnp.asarray(values)
+        return jax.device_put(values)  # a transfer; jnp.asarray would run a jitted copy
 
     return jax.tree.map(fill, tree)
 
@@ -104,11 +105,13 @@ def _layer_spec(draw: Draw, kind: str, features: int) -> tuple[str, dict, int]:
     return kind, {"p": p, "inference": inference}, features
 
 
-def _build(specs: list, dtype: np.dtype) -> Any:
-    """`eqx.nn.make_with_state` of the layers `specs`, `[(kind, constructor arguments)]`
-    (one layer, or a Sequential).
-
-    """
+@functools.lru_cache(maxsize=512)
+def _abstract_model(spec: tuple, dtype_name: str) -> Any:
+    """`eqx.nn.make_with_state` of the layers `spec`, `((kind, ((argument, value), ...)),
+    ...)` (one layer, or a Sequential), as `ShapeDtypeStruct`s. Cached: shrinking draws the
+    same few models over and over, and tracing one costs far more than filling it."""
+    specs = [(kind, dict(arguments)) for kind, arguments in spec]
+    dtype = np.dtype(dtype_name)
     constructors: dict[str, Callable[..., Any]] = {
         "linear": eqx.nn.Linear,
         "mlp": eqx.nn.MLP,
@@ -137,7 +140,8 @@ def _build(specs: list, dtype: np.dtype) -> Any:
 
 
 @st.composite
-def _modules(draw: Draw) -> tuple[Any, eqx.nn.State]:
+def _model_spec(draw: Draw) -> tuple[tuple, str]:
+    """A model's layers (as `_abstract_model` takes them) and its float dtype."""
     kind = draw(st.sampled_from(_LAYERS))
     features = draw(st.integers(1, 4))
     if kind == "sequential":
@@ -147,11 +151,24 @@ def _modules(draw: Draw) -> tuple[Any, eqx.nn.State]:
     specs = []
     for layer_kind in kinds:
         layer_kind, arguments, features = draw(_layer_spec(layer_kind, features))
-        specs.append((layer_kind, arguments))
-    dtype = draw(st.sampled_from(_FLOAT_DTYPES))
+        specs.append((layer_kind, tuple(arguments.items())))
+    return tuple(specs), draw(st.sampled_from(_FLOAT_DTYPES)).name
+
+
+@st.composite
+def _modules(draw: Draw) -> tuple[Any, eqx.nn.State]:
+    spec, dtype_name = draw(_model_spec())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     with _global_random_untouched():
-        return _fill(_build(specs, dtype), rng)
+        return _fill(_abstract_model(spec, dtype_name), rng)
+
+
+@functools.lru_cache(maxsize=512)
+def _abstract_train_state(spec: tuple, dtype_name: str, optimiser: str) -> TrainState:
+    """`TrainState.create` of a model of `spec` with the optimiser named `optimiser`, as
+    `ShapeDtypeStruct`s (but `tx`). Cached, as `_abstract_model` is."""
+    model, _ = _fill(_abstract_model(spec, dtype_name), np.random.default_rng(0))
+    return eqx.filter_eval_shape(TrainState.create, model=model, tx=_OPTIMISERS[optimiser]())
 
 
 def modules() -> st.SearchStrategy[tuple[Any, eqx.nn.State]]:
@@ -174,15 +191,17 @@ def modules() -> st.SearchStrategy[tuple[Any, eqx.nn.State]]:
 
 @st.composite
 def _train_states(draw: Draw) -> TrainState:
-    model, _ = draw(modules())
-    tx = _OPTIMISERS[draw(st.sampled_from(list(_OPTIMISERS)))]()
+    spec, dtype_name = draw(_model_spec())
+    optimiser = draw(st.sampled_from(list(_OPTIMISERS)))
     seed, step = draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 10_000))
+    rng = np.random.default_rng(seed)
     with _global_random_untouched():
-        abstract = eqx.filter_eval_shape(TrainState.create, model=model, tx=tx)
+        abstract = _abstract_train_state(spec, dtype_name, optimiser)
+        model, _ = _fill(_abstract_model(spec, dtype_name), rng)
         # Non-negative: Adam's second moments must be, or a step would take square roots
         # of negative numbers.
-        opt_state = _fill(abstract.opt_state, np.random.default_rng(seed), non_negative=True)
-        step = jnp.asarray(step, jnp.int32)
+        opt_state = _fill(abstract.opt_state, rng, non_negative=True)
+        step = jax.device_put(np.int32(step))
         return abstract.replace(model=model, opt_state=opt_state, step=step)
 
 

@@ -61,14 +61,19 @@ def pytrees(
     - `leaves`: the strategy for leaves; default `arrays()` (NumPy arrays of every saved
       dtype). For example `st.one_of(arrays(), keys())` mixes in typed keys, and
       `arrays().map(jnp.asarray)` gives JAX arrays.
-    - `max_leaves`: at most this many leaves (`None` counts as one); a tree stops growing
-      when they are used up.
+    - `max_leaves`: at most this many leaves drawn from `leaves` or `None` (a module's
+      function and configuration come besides); a tree stops growing when they are used
+      up. At least 1.
     - `max_depth`: at most this many nested nodes above any leaf.
 
     **Returns:**
 
     A strategy of pytrees.
     """
+    if max_leaves < 1 or max_depth < 0:
+        raise ValueError(
+            f"pytrees: max_leaves={max_leaves} must be >= 1 and max_depth={max_depth} >= 0."
+        )
     leaf = arrays() if leaves is None else leaves
     return _pytrees(leaf, max_leaves, max_depth)
 
