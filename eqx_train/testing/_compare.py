@@ -75,6 +75,8 @@ def show(x: Any) -> str:
             weak = "" if _is_key(x) else f" weak_type={x.weak_type}"
             head += f"{weak} sharding={x.sharding}"
         text = f"{head} {np.array2string(values, threshold=20, edgeitems=2)}"
+    elif is_node(x):
+        text = f"{type(x).__qualname__} {x!r}"
     else:
         text = f"{leaf_kind(x)} {type(x).__name__} {x!r}"
     text = " ".join(text.split())
@@ -116,11 +118,13 @@ def _value_difference(
         return None
     how = "bits" if exact else f"values (rtol={rtol}, atol={atol})"
     where = _first_index(differs, a.shape)
-    first_a, first_b = a.reshape(-1)[np.argmax(differs)], b.reshape(-1)[np.argmax(differs)]
-    return (
-        f"{how} differ in {count} of {a.size} elements, first at index {where}: "
-        f"{first_a!r} vs {first_b!r}"
-    )
+    i = int(np.argmax(differs))
+    first_a, first_b = a.reshape(-1)[i], b.reshape(-1)[i]
+    shown = f"{first_a!r} vs {first_b!r}"
+    if exact and str(first_a) == str(first_b):  # NaNs with other payloads, -0.0 and 0.0
+        bits_a, bits_b = (_bytes_per_element(x)[i][::-1].tobytes().hex() for x in (a, b))
+        shown += f" (bits 0x{bits_a} vs 0x{bits_b})"
+    return f"{how} differ in {count} of {a.size} elements, first at index {where}: {shown}"
 
 
 def _float_bits(x: float) -> bytes:

@@ -229,7 +229,7 @@ def _call(step: Callable[[Any, Any], Any], state: Any, batch: Any) -> tuple[Any,
 def _where(i: int, split_at: int) -> str:
     if i < split_at:
         return (
-            f"step {i}, before the save at step {split_at}: `step` gave different results on "
+            f"step {i}, before the save after {split_at} steps: `step` gave different results on "
             "the same state and batch, so it reads something outside its arguments (a counter, "
             "a global random generator, a closure it mutates)"
         )
