@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,8 @@ DTYPES: tuple[np.dtype, ...] = tuple(
         ml_dtypes.float8_e5m2,
     )
 )
+
+_FLOAT_WIDTHS: dict[int, Literal[16, 32, 64]] = {2: 16, 4: 32, 8: 64}  # itemsize -> bits
 
 # Key implementations and the trailing shape of their key data (uint32 words).
 _KEY_WORDS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}
@@ -82,7 +84,8 @@ def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -
         bits = np.dtype(f"uint{dtype.itemsize * 8}")
         return draw(hnp.arrays(bits, shape)).view(dtype)
     if dtype.kind == "f":
-        return draw(hnp.arrays(dtype, shape, elements=st.floats(width=dtype.itemsize * 8)))
+        width = _FLOAT_WIDTHS[dtype.itemsize]
+        return draw(hnp.arrays(dtype, shape, elements=st.floats(width=width)))
     return draw(hnp.arrays(dtype, shape))
 
 

@@ -65,7 +65,7 @@ def _count_leaves(tree: Any) -> int:
 def show(x: Any) -> str:
     """A leaf or subtree as a failure message shows it: kind, dtype, shape, then values."""
     if isinstance(x, jax.Array | np.ndarray | np.generic):
-        if _is_key(x):
+        if isinstance(x, jax.Array) and _is_key(x):
             head = f"{leaf_kind(x)} {x.dtype}{list(x.shape)}"
             values = np.asarray(jax.random.key_data(x))
         else:
