@@ -159,7 +159,8 @@ def test_assert_trees_equal_is_bitwise_by_default_and_tolerant_on_request():
 
 def test_assert_trees_equal_treats_equivalent_shardings_as_equal():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
-    placed = jax.device_put(jnp.ones(3), jax.sharding.NamedSharding(mesh, jax.P()))
+    one_device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    placed = jax.device_put(jnp.ones(3), one_device)
     assert_trees_equal(placed, jax.device_put(jnp.ones(3), jax.devices()[0]))
 
 

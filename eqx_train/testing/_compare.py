@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -259,7 +258,6 @@ def difference_message(
     atol: float | int = 0,
     weak_type: bool = True,
     names: tuple[str, str] = ("first", "second"),
-    describe: Callable[[Any], str] = show,
 ) -> str | None:
     """The failure message `assert_trees_equal` raises with, or None when the trees are
     equal. `names` label the two sides."""
@@ -271,7 +269,7 @@ def difference_message(
     width = max(len(n) for n in names)
     return (
         f"the trees differ at {path}: {what} ({count} of {total} leaves differ; this is the "
-        f"first)\n  {names[0]:>{width}}: {describe(x)}\n  {names[1]:>{width}}: {describe(y)}"
+        f"first)\n  {names[0]:>{width}}: {show(x)}\n  {names[1]:>{width}}: {show(y)}"
     )
 
 

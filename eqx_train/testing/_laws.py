@@ -248,8 +248,9 @@ def assert_resumes_exactly(
     exactly as the uninterrupted run: the law behind resuming a preempted job.
 
     Runs `step(state, batch)` over all `batches` twice, side by side: once straight
-    through, once with a save after `split_at` steps (`save_checkpoint`), a restore into a
-    copy of the initial `state` (`restore_checkpoint(path, state)`), and the rest. After
+    through, once with a save after `split_at` steps (`save_checkpoint`), a restore with
+    the initial `state` as target (`restore_checkpoint(path, state)`, as a restarted job
+    restores into the state it builds), and the rest. After
     every step, asserts that both runs' states (and outputs, when `step` returns them) are
     bit-identical as `assert_trees_equal` compares them, with weak types compared under
     `assert_checkpoint_roundtrip`'s rule; the restored state is also compared with the one
