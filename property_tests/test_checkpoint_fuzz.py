@@ -32,15 +32,14 @@ import textwrap
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import _description, _format
-from property_tests.strategies import RandomModule, keys, pytrees
-from tests.helpers import assert_trees_equal
+from eqx_train.testing import assert_trees_equal, strategies as ets
+from property_tests.expected import as_saved, dict_keys
 
 CheckpointFormatError = checkpoints.CheckpointFormatError
 CHECKSUMS_KEY = "eqx_train.checksums"
@@ -48,27 +47,8 @@ TREE_KEY = "eqx_train.tree"
 EXAMPLE_DEADLINE_S = 20  # a restore of a file of a few KiB taking this long is a hang
 MAX_RSS_GROWTH = 256 << 20  # the files are a few KiB; no mutation may cost more than this
 
-# Every dtype the format stores, including the ones the shared strategies leave out.
-DTYPES = tuple(
-    np.dtype(d)
-    for d in (
-        np.bool_,
-        np.uint8,
-        np.int8,
-        np.uint16,
-        np.int16,
-        np.uint32,
-        np.int32,
-        np.uint64,
-        np.int64,
-        np.float16,
-        jnp.bfloat16,
-        np.float32,
-        np.float64,
-        jnp.float8_e4m3fn,
-        jnp.float8_e5m2,
-    )
-)
+# Every dtype the format stores (a test in tests/test_testing.py holds the two tables equal).
+DTYPES = ets.DTYPES
 DTYPE_CODES = sorted(_description.CODE_TO_DTYPE)
 
 
@@ -92,21 +72,10 @@ def raw_arrays(draw: st.DrawFn) -> np.ndarray:
 python_scalars = st.one_of(
     st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False)
 )
-flat_trees = st.dictionaries(keys, st.one_of(raw_arrays(), python_scalars), min_size=1, max_size=5)
-saved_trees = st.one_of(flat_trees, pytrees(max_leaves=5))
-
-
-def as_saved(tree: Any) -> Any:
-    """What `target=None` gives back (an independent statement of the documented rule):
-    modules become dicts of their data fields, functions become None."""
-    if isinstance(tree, RandomModule):
-        fields = {"weight": tree.weight, "children": tree.children, "activation": None}
-        return {name: as_saved(value) for name, value in fields.items()}
-    if isinstance(tree, dict):
-        return {k: as_saved(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(as_saved(v) for v in tree)
-    return tree
+flat_trees = st.dictionaries(
+    dict_keys, st.one_of(raw_arrays(), python_scalars), min_size=1, max_size=5
+)
+saved_trees = st.one_of(flat_trees, ets.pytrees(max_leaves=5))
 
 
 def texts(max_size: int) -> st.SearchStrategy[str]:

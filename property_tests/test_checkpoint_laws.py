@@ -10,37 +10,33 @@ from flax.training import checkpoints as flax_checkpoints
 from hypothesis import given, strategies as st
 
 from eqx_train import checkpoints
-from property_tests.strategies import RandomModule, pytrees
-from tests.helpers import assert_trees_equal
+from eqx_train.testing import assert_checkpoint_roundtrip, assert_trees_equal, strategies as ets
+from property_tests.expected import as_saved
 
 
-def _as_saved(tree):
-    """What target=None gives back: modules become dicts of fields, functions become None."""
-    if isinstance(tree, RandomModule):
-        return {
-            "weight": _as_saved(tree.weight),
-            "children": _as_saved(tree.children),
-            "activation": None,
-        }
-    if isinstance(tree, dict):
-        return {k: _as_saved(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_as_saved(v) for v in tree)
-    return tree
-
-
-@given(tree=pytrees(), as_jax=st.booleans())
+@given(tree=ets.pytrees(st.one_of(ets.arrays(), ets.keys())), as_jax=st.booleans())
 def test_restore_save_is_identity_bit_for_bit(tree, as_jax):
     if as_jax:
         tree = jax.tree.map(lambda x: jax.numpy.asarray(x) if eqx.is_array(x) else x, tree)
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        checkpoints.save_checkpoint(ckpt_dir, tree, 1)
-        assert_trees_equal(checkpoints.restore_checkpoint(ckpt_dir, tree), tree)
-        as_saved = jax.tree.map(lambda x: np.asarray(x) if eqx.is_array(x) else x, _as_saved(tree))
-        assert_trees_equal(checkpoints.restore_checkpoint(ckpt_dir, None), as_saved)
+        # Into the tree: the tree itself (dtypes, shardings, configuration, bits); with
+        # target=None: every saved leaf by name, dtype, shape and bits.
+        assert_checkpoint_roundtrip(tree, ckpt_dir)
+        # ...and target=None gives exactly the documented plain tree.
+        assert_trees_equal(checkpoints.restore_checkpoint(ckpt_dir, None), as_saved(tree))
 
 
-@given(tree=pytrees())
+@given(pair=ets.modules())
+def test_equinox_models_and_their_state_round_trip(pair):
+    assert_checkpoint_roundtrip(pair)
+
+
+@given(state=ets.train_states())
+def test_train_states_round_trip(state):
+    assert_checkpoint_roundtrip(state)
+
+
+@given(tree=ets.pytrees())
 def test_restore_into_fresh_target_gives_saved_arrays_and_target_functions(tree):
     blank = jax.tree.map(lambda x: np.zeros_like(x) if eqx.is_array(x) else x, tree)
     with tempfile.TemporaryDirectory() as ckpt_dir:
@@ -48,7 +44,7 @@ def test_restore_into_fresh_target_gives_saved_arrays_and_target_functions(tree)
         restored = checkpoints.restore_checkpoint(ckpt_dir, blank)
     assert_trees_equal(eqx.filter(restored, eqx.is_array), eqx.filter(tree, eqx.is_array))
     # Leaf by leaf: arrays carry the file's values in the target's array type; every other
-    # leaf (functions, static fields) is the target's own object.
+    # leaf (functions, static fields, configuration) is the target's own object.
     for got, target_leaf, saved in zip(
         jax.tree.leaves(restored), jax.tree.leaves(blank), jax.tree.leaves(tree), strict=True
     ):

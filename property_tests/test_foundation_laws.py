@@ -8,8 +8,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 from eqx_train import EarlyStopping, lr_schedule, stack_forest
-from property_tests.strategies import arrays, pytrees
-from tests.helpers import assert_trees_equal
+from eqx_train.testing import assert_trees_equal, strategies as ets
 
 metric_values = st.one_of(
     st.floats(-100, 100, width=32),
@@ -113,17 +112,21 @@ def test_stepped_is_piecewise_constant_with_flax_boundaries(base, steps_per_epoc
     np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6)
 
 
-@given(template=pytrees(), size=st.integers(1, 4), data=st.data())
+@given(template=ets.pytrees(), size=st.integers(1, 4), data=st.data())
 def test_stack_forest_then_index_gives_back_each_tree(template, size, data):
     def fresh_values(x):
         if isinstance(x, np.ndarray):
-            return data.draw(arrays([x.dtype], shape=x.shape))
+            return data.draw(ets.arrays([x.dtype], shapes=x.shape))
         return x
+
+    def as_stacked(x):
+        # Python scalars (module configuration) stack into NumPy arrays of their kind.
+        return np.asarray(x) if isinstance(x, bool | int | float) else x
 
     forest = [jax.tree.map(fresh_values, template) for _ in range(size)]
     stacked = stack_forest(forest)
     for i, tree in enumerate(forest):
         picked = jax.tree.map(
-            lambda s, i=i: s[i] if isinstance(s, np.ndarray | jax.Array) else s, stacked
+            lambda s, i=i: s[i, ...] if isinstance(s, np.ndarray | jax.Array) else s, stacked
         )
-        assert_trees_equal(picked, tree)
+        assert_trees_equal(picked, jax.tree.map(as_stacked, tree))

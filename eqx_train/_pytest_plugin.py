@@ -1,0 +1,82 @@
+"""The pytest plugin of `eqx_train.testing`: `--cpu-devices N` and the fixtures
+`checkpoint_dir` and `cpu_mesh`.
+
+It lives outside `eqx_train.testing` because pytest may load it in every session of
+everyone who installed eqx_train (the `pytest11` entry point): so it imports only pytest
+at load time, never JAX or hypothesis, and does nothing until used. `--cpu-devices` unset
+changes nothing, and a fixture runs only for the tests that request it. `eqx_train.testing`
+re-exports these hooks, so that `-p eqx_train.testing` loads the same plugin where the
+entry point is not installed or pytest's plugin autoloading is off.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+__all__ = ["checkpoint_dir", "cpu_mesh"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("eqx_train", "eqx_train.testing")
+    group.addoption(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "run JAX with N CPU devices (sets jax_num_cpu_devices once the root conftest.py "
+            "files are imported, so it overrides a value they set; JAX must not have run "
+            "anything yet)"
+        ),
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    count = config.getoption("cpu_devices", None)
+    if count is None:
+        return
+    if count < 1:
+        raise pytest.UsageError(f"--cpu-devices {count}: give a number of devices >= 1.")
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as error:
+        raise pytest.UsageError(
+            f"--cpu-devices {count}: JAX has already started its backends, so the number of "
+            f"CPU devices is fixed ({error}). Something imported before the tests (a "
+            "conftest.py, a plugin) ran a JAX operation at import time; move that into a "
+            "fixture."
+        ) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    count = config.getoption("cpu_devices", None)
+    return None if count is None else f"eqx_train.testing: {count} CPU devices (--cpu-devices)"
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A fresh, empty directory for a test's checkpoints (`tmp_path / "checkpoints"`),
+    kept by pytest's temporary-directory retention for inspection after a failure."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def cpu_mesh() -> Mesh:
+    """A one-axis `jax.sharding.Mesh` named `"data"` over all CPU devices (as many as
+    `--cpu-devices` or the test suite's own `jax_num_cpu_devices` made)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices("cpu")), ("data",))

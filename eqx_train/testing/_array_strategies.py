@@ -1,0 +1,147 @@
+"""Strategies for leaves: NumPy arrays of every dtype a checkpoint stores, and typed keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+__all__ = ["DTYPES", "arrays", "keys", "shapes"]
+
+#: A composite strategy's `draw` (hypothesis's `DrawFn` is a Protocol that run-time type
+#: checkers such as beartype cannot check).
+Draw = Callable[[st.SearchStrategy], Any]
+
+#: Every dtype eqx_train saves, simplest first: a failing example shrinks towards float32
+#: and the dtypes nearer the front.
+DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(d)
+    for d in (
+        np.float32,
+        np.int32,
+        np.bool_,
+        np.float16,
+        ml_dtypes.bfloat16,
+        np.int8,
+        np.uint8,
+        np.int16,
+        np.uint16,
+        np.uint32,
+        np.int64,
+        np.uint64,
+        np.float64,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e5m2,
+    )
+)
+
+_FLOAT_WIDTHS: dict[int, Literal[16, 32, 64]] = {2: 16, 4: 32, 8: 64}  # itemsize -> bits
+
+# Key implementations and the trailing shape of their key data (uint32 words).
+_KEY_WORDS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}
+
+
+def shapes(*, max_dims: int = 3, max_side: int = 4) -> st.SearchStrategy[tuple[int, ...]]:
+    """Array shapes of rank `0..max_dims` with sides `0..max_side` (so 0-d and zero-size
+    shapes too), shrinking towards `()`.
+
+    **Arguments:**
+
+    - `max_dims`: the largest rank.
+    - `max_side`: the largest side.
+
+    **Returns:**
+
+    A strategy of shape tuples.
+    """
+    return hnp.array_shapes(min_dims=0, max_dims=max_dims, min_side=0, max_side=max_side)
+
+
+_default_shapes = shapes  # for the functions below, whose argument `shapes` shadows it
+
+
+def _as_strategy(value: Any, what: str) -> st.SearchStrategy:
+    if isinstance(value, st.SearchStrategy):
+        return value
+    if what == "shapes":
+        return st.just(tuple(value))
+    return st.sampled_from([np.dtype(d) for d in value])
+
+
+@st.composite
+def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -> np.ndarray:
+    dtype = np.dtype(draw(dtypes))
+    shape = tuple(draw(shapes_))
+    if dtype.kind == "V" or dtype.name.startswith(("bfloat16", "float8")):
+        # ml_dtypes floats: any bit pattern is a value (NaNs with any payload, -0.0,
+        # infinities where the format has them), and zero bits shrink to +0.0.
+        bits = np.dtype(f"uint{dtype.itemsize * 8}")
+        return draw(hnp.arrays(bits, shape)).view(dtype)
+    if dtype.kind == "f":
+        width = _FLOAT_WIDTHS[dtype.itemsize]
+        return draw(hnp.arrays(dtype, shape, elements=st.floats(width=width)))
+    return draw(hnp.arrays(dtype, shape))
+
+
+def arrays(
+    dtypes: Sequence[Any] | st.SearchStrategy = DTYPES,
+    shapes: tuple[int, ...] | st.SearchStrategy | None = None,
+) -> st.SearchStrategy[np.ndarray]:
+    """NumPy arrays of any dtype eqx_train saves (`DTYPES`: bool, every int and uint width
+    up to 64 bits, float16/32/64, bfloat16, float8_e4m3fn and float8_e5m2), 0-d and empty
+    shapes included.
+
+    Floats take every kind of value: infinities, NaN, `-0.0`, subnormals; bfloat16 and the
+    float8s are drawn as raw bit patterns, so NaN payloads too. Shrinks towards 0-d
+    float32 zeros.
+
+    **Arguments:**
+
+    - `dtypes`: the dtypes to draw from (a sequence, simplest first, or a strategy of
+      dtypes). Default: `DTYPES`.
+    - `shapes`: a fixed shape, or a strategy of shapes. Default: `shapes()`, rank 0 to 3,
+      sides 0 to 4.
+
+    **Returns:**
+
+    A strategy of NumPy arrays; wrap it (`.map(jnp.asarray)`) for JAX arrays.
+    """
+    shape_strategy = _default_shapes() if shapes is None else _as_strategy(shapes, "shapes")
+    return _arrays(_as_strategy(dtypes, "dtypes"), shape_strategy)
+
+
+@st.composite
+def _keys(draw: Draw, impls: st.SearchStrategy, shapes_: st.SearchStrategy) -> jax.Array:
+    impl = draw(impls)
+    shape = tuple(draw(shapes_))
+    data = draw(hnp.arrays(np.uint32, (*shape, _KEY_WORDS[impl])))
+    return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
+
+
+def keys(
+    impls: Sequence[str] = tuple(_KEY_WORDS),
+    shapes: tuple[int, ...] | st.SearchStrategy = (),
+) -> st.SearchStrategy[jax.Array]:
+    """Typed PRNG keys (`jax.random.key`'s kind, not legacy uint32 keys) with random key
+    data, shrinking towards a single threefry key of zeros.
+
+    **Arguments:**
+
+    - `impls`: the key implementations to draw from, simplest first
+      (default: `"threefry2x32"`, `"rbg"`, `"unsafe_rbg"`).
+    - `shapes`: the key array's shape (default `()`, one key), or a strategy of shapes.
+
+    **Returns:**
+
+    A strategy of typed key arrays.
+    """
+    unknown = [impl for impl in impls if impl not in _KEY_WORDS]
+    if unknown or not impls:
+        raise ValueError(f"keys: unknown key implementation(s) {unknown}; use {list(_KEY_WORDS)}.")
+    return _keys(st.sampled_from(list(impls)), _as_strategy(shapes, "shapes"))

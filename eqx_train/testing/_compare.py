@@ -1,0 +1,322 @@
+"""`assert_trees_equal`: two pytrees compared node by node, naming the first difference.
+
+The comparison walks both trees together, one level at a time, so that a difference in
+structure is reported at the node where it occurs (a missing dict key, a list of another
+length, an Equinox module with another static field) rather than as two unequal treedefs.
+Leaves are compared by kind first, then by what that kind holds (see `_leaf_difference`).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+__all__ = ["assert_trees_equal"]
+
+_SHOWN_CHARS = 300  # how much of each side a failure message shows
+
+
+def leaf_kind(x: Any) -> str:
+    """The kind of a leaf, as the messages name it."""
+    if x is None:
+        return "None"
+    if isinstance(x, jax.Array):
+        return "typed PRNG key" if _is_key(x) else "jax.Array"
+    if isinstance(x, np.ndarray):
+        return "NumPy array"
+    if isinstance(x, np.generic):
+        return "NumPy scalar"
+    if isinstance(x, bool | int | float | complex):
+        return "Python scalar"
+    return "other"
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """One level of flattening as `[(key, child)]` (a `None` child is kept as a child), or
+    None when `node` is a leaf. Empty containers are nodes without children."""
+    if node is None:
+        return None
+    pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return None
+    return [(path[0], child) for path, child in pairs]
+
+
+def is_node(x: Any) -> bool:
+    """Whether `x` is a pytree node (a container, a module), not a leaf or None."""
+    return _children(x) is not None
+
+
+def _count_leaves(tree: Any) -> int:
+    return len(jtu.tree_leaves(tree, is_leaf=lambda x: x is None))
+
+
+def show(x: Any) -> str:
+    """A leaf or subtree as a failure message shows it: kind, dtype, shape, then values."""
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        if isinstance(x, jax.Array) and _is_key(x):
+            head = f"{leaf_kind(x)} {x.dtype}{list(x.shape)}"
+            values = np.asarray(jax.random.key_data(x))
+        else:
+            head = f"{leaf_kind(x)} {x.dtype}{list(np.shape(x))}"
+            values = np.asarray(x)
+        if isinstance(x, jax.Array):
+            weak = "" if _is_key(x) else f" weak_type={x.weak_type}"
+            head += f"{weak} sharding={x.sharding}"
+        text = f"{head} {np.array2string(values, threshold=20, edgeitems=2)}"
+    elif is_node(x):
+        text = f"{type(x).__qualname__} {x!r}"
+    else:
+        text = f"{leaf_kind(x)} {type(x).__name__} {x!r}"
+    text = " ".join(text.split())
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def _bytes_per_element(values: np.ndarray) -> np.ndarray:
+    flat = np.ascontiguousarray(values).reshape(-1)
+    return flat.view(np.uint8).reshape(flat.size, values.dtype.itemsize)
+
+
+def _first_index(mask: np.ndarray, shape: tuple[int, ...]) -> str:
+    index = np.unravel_index(int(np.argmax(mask.reshape(-1))), shape) if shape else ()
+    return str(tuple(int(i) for i in index))
+
+
+def _value_difference(
+    a: np.ndarray, b: np.ndarray, rtol: float | int, atol: float | int
+) -> str | None:
+    """Where two arrays of one dtype and shape differ: bit for bit when `rtol == atol == 0`
+    (NaN equals the same NaN, -0.0 differs from 0.0), else within `atol + rtol * |b|` (NaNs
+    equal NaNs, infinities only themselves; booleans always exactly)."""
+    if a.size == 0:
+        return None
+    exact = (rtol == 0 and atol == 0) or a.dtype == np.bool_
+    if exact:
+        differs = np.any(_bytes_per_element(a) != _bytes_per_element(b), axis=1)
+    else:
+        x, y = (
+            a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
+            b.astype(np.complex128 if b.dtype.kind == "c" else np.float64),
+        )
+        with np.errstate(invalid="ignore", over="ignore"):
+            close = np.abs(x - y) <= atol + rtol * np.abs(y)
+        close |= (np.isnan(x) & np.isnan(y)) | (x == y)
+        differs = ~close.reshape(-1)
+    count = int(np.count_nonzero(differs))
+    if count == 0:
+        return None
+    how = "bits" if exact else f"values (rtol={rtol}, atol={atol})"
+    where = _first_index(differs, a.shape)
+    i = int(np.argmax(differs))
+    first_a, first_b = a.reshape(-1)[i], b.reshape(-1)[i]
+    shown = f"{first_a!r} vs {first_b!r}"
+    if exact and str(first_a) == str(first_b):  # NaNs with other payloads, -0.0 and 0.0
+        bits_a, bits_b = (_bytes_per_element(x)[i][::-1].tobytes().hex() for x in (a, b))
+        shown += f" (bits 0x{bits_a} vs 0x{bits_b})"
+    return f"{how} differ in {count} of {a.size} elements, first at index {where}: {shown}"
+
+
+def _float_bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def _scalar_difference(a: Any, b: Any, rtol: float | int, atol: float | int) -> str | None:
+    if type(a) is not type(b):
+        return f"type differs: {type(a).__name__} vs {type(b).__name__}"
+    if rtol == 0 and atol == 0:
+        same = _float_bits(a) == _float_bits(b) if isinstance(a, float) else a == b
+    elif isinstance(a, bool):
+        same = a == b
+    else:
+        nans = isinstance(a, float) and math.isnan(a) and math.isnan(b)
+        same = nans or a == b or abs(a - b) <= atol + rtol * abs(b)
+    return None if same else "value differs"
+
+
+def _array_difference(
+    a: Any, b: Any, rtol: float | int, atol: float | int, weak_type: bool
+) -> str | None:
+    """Arrays (JAX, NumPy, NumPy scalars, typed keys) of the same kind."""
+    if _is_key(a):
+        impl_a, impl_b = jax.random.key_impl(a), jax.random.key_impl(b)
+        if str(impl_a) != str(impl_b):
+            return f"key implementation differs: {impl_a} vs {impl_b}"
+    elif a.dtype != b.dtype:
+        return f"dtype differs: {a.dtype} vs {b.dtype}"
+    if np.shape(a) != np.shape(b):
+        return f"shape differs: {np.shape(a)} vs {np.shape(b)}"
+    if isinstance(a, jax.Array):
+        if not a.sharding.is_equivalent_to(b.sharding, a.ndim):
+            return f"sharding differs: {a.sharding} vs {b.sharding}"
+        if weak_type and not _is_key(a) and a.weak_type != b.weak_type:
+            return f"weak type differs: weak_type={a.weak_type} vs weak_type={b.weak_type}"
+    if _is_key(a):
+        a, b, rtol, atol = jax.random.key_data(a), jax.random.key_data(b), 0, 0  # keys: exact
+    return _value_difference(np.asarray(a), np.asarray(b), rtol, atol)
+
+
+def _other_difference(a: Any, b: Any) -> str | None:
+    """Any other leaf (a function, a string, an object): compared with `==`."""
+    try:
+        same = a == b
+        if not isinstance(same, bool):
+            same = bool(same)
+    except Exception as error:  # a leaf whose == raises or gives no truth value
+        return f"`==` gives no answer ({type(error).__name__}: {error})"
+    return None if same else "`==` is False"
+
+
+def _leaf_difference(
+    a: Any, b: Any, rtol: float | int, atol: float | int, weak_type: bool
+) -> str | None:
+    kind_a, kind_b = leaf_kind(a), leaf_kind(b)
+    if kind_a != kind_b:
+        return f"leaf kind differs: {kind_a} vs {kind_b}"
+    if kind_a == "None":
+        return None
+    if kind_a == "Python scalar":
+        return _scalar_difference(a, b, rtol, atol)
+    if kind_a == "other":
+        return _other_difference(a, b)
+    return _array_difference(a, b, rtol, atol, weak_type)
+
+
+def _node_difference(a: Any, b: Any, pairs_a: list, pairs_b: list) -> str | None:
+    """How two nodes differ in themselves (not in their children), or None."""
+    if type(a) is not type(b):
+        return f"node type differs: {type(a).__qualname__} vs {type(b).__qualname__}"
+    keys_a, keys_b = [k for k, _ in pairs_a], [k for k, _ in pairs_b]
+    if keys_a != keys_b:
+        missing = [jtu.keystr((k,)) for k in keys_b if k not in keys_a]
+        extra = [jtu.keystr((k,)) for k in keys_a if k not in keys_b]
+        if missing or extra:
+            return f"children differ: only in the first {extra}, only in the second {missing}"
+        return f"children are in another order: {[jtu.keystr((k,)) for k in keys_a]} vs " + str(
+            [jtu.keystr((k,)) for k in keys_b]
+        )
+    level_a = jtu.tree_structure(a, is_leaf=lambda x: x is not a)
+    level_b = jtu.tree_structure(b, is_leaf=lambda x: x is not b)
+    try:
+        same = level_a == level_b
+    except Exception:  # metadata whose == cannot answer (an array in a static field)
+        same = False
+    if not same:
+        return f"node metadata (static fields) differs: {level_a} vs {level_b}"
+    return None
+
+
+def tree_differences(
+    a: Any, b: Any, *, rtol: float | int = 0, atol: float | int = 0, weak_type: bool = True
+) -> tuple[list[tuple[str, str, Any, Any]], int]:
+    """Every difference between `a` and `b` as `(path, what differs, a's side, b's side)` in
+    flattening order, and how many leaves differ in all (a subtree whose structure differs
+    counts as many leaves as its larger side holds)."""
+    found: list[tuple[str, str, Any, Any]] = []
+    count = 0
+
+    def visit(x: Any, y: Any, path: tuple[Any, ...]) -> None:
+        nonlocal count
+        pairs_x, pairs_y = _children(x), _children(y)
+        if pairs_x is None and pairs_y is None:
+            what = _leaf_difference(x, y, rtol, atol, weak_type)
+            if what is not None:
+                found.append((jtu.keystr(path) or "<root>", what, x, y))
+                count += 1
+            return
+        if pairs_x is None or pairs_y is None:
+            what = f"a {'leaf' if pairs_x is None else 'node'} vs a " + (
+                "leaf" if pairs_y is None else "node"
+            )
+        else:
+            what = _node_difference(x, y, pairs_x, pairs_y)
+            if what is None:
+                for (key, child_x), (_, child_y) in zip(pairs_x, pairs_y, strict=True):
+                    visit(child_x, child_y, (*path, key))
+                return
+        found.append((jtu.keystr(path) or "<root>", what, x, y))
+        count += max(_count_leaves(x), _count_leaves(y), 1)
+
+    visit(a, b, ())
+    return found, count
+
+
+def difference_message(
+    a: Any,
+    b: Any,
+    *,
+    rtol: float | int = 0,
+    atol: float | int = 0,
+    weak_type: bool = True,
+    names: tuple[str, str] = ("first", "second"),
+) -> str | None:
+    """The failure message `assert_trees_equal` raises with, or None when the trees are
+    equal. `names` label the two sides."""
+    found, count = tree_differences(a, b, rtol=rtol, atol=atol, weak_type=weak_type)
+    if not found:
+        return None
+    path, what, x, y = found[0]
+    total = max(_count_leaves(a), _count_leaves(b))
+    width = max(len(n) for n in names)
+    return (
+        f"the trees differ at {path}: {what} ({count} of {total} leaves differ; this is the "
+        f"first)\n  {names[0]:>{width}}: {show(x)}\n  {names[1]:>{width}}: {show(y)}"
+    )
+
+
+def assert_trees_equal(a: Any, b: Any, *, rtol: float | int = 0, atol: float | int = 0) -> None:
+    """Asserts that two pytrees are equal, saying where and how they differ if not.
+
+    Compared, node by node: the structure (node types, dict keys and their order, static
+    fields of Equinox modules); each leaf's kind (a `jax.Array`, a NumPy array, a NumPy
+    scalar, a Python scalar, a typed PRNG key, `None`); for array leaves their dtype,
+    shape, sharding and weak type (where both are `jax.Array`s; shardings are equal when
+    they place every element on the same devices, `Sharding.is_equivalent_to`) and values;
+    for Python scalars their type and value; typed keys by implementation and key data;
+    any other leaf (a function, a string) with `==`.
+
+    Values are compared bit for bit by default (`rtol=atol=0`): a NaN equals a NaN with the
+    same bits, and `-0.0` differs from `0.0`, as a checkpoint round trip must keep them.
+    With a tolerance, inexact and integer values are close when
+    `|a - b| <= atol + rtol * |b|`, NaN equals NaN, infinities equal only themselves;
+    booleans, key data and the other checks stay exact.
+
+    **Arguments:**
+
+    - `a`, `b`: the pytrees to compare (in the message, "first" and "second").
+    - `rtol`, `atol`: relative and absolute tolerance for values (default 0: exact).
+
+    **Returns:**
+
+    None.
+
+    **Raises:**
+
+    `AssertionError` naming the first differing pytree path (`jax.tree_util.keystr`
+    notation), what differs there, both sides, and how many leaves differ in all.
+
+    ```python
+    import jax.numpy as jnp
+    import numpy as np
+    from eqx_train.testing import assert_trees_equal
+
+    assert_trees_equal({"w": jnp.ones(2), "n": 3}, {"w": jnp.ones(2), "n": 3})
+    try:
+        assert_trees_equal({"w": jnp.ones(2)}, {"w": jnp.ones(2, jnp.bfloat16)})
+    except AssertionError as error:
+        assert "['w']: dtype differs: float32 vs bfloat16" in str(error)
+    assert_trees_equal(np.float32(1.0), np.float32(1.0 + 1e-7), rtol=1e-6)
+    ```
+    """
+    message = difference_message(a, b, rtol=rtol, atol=atol)
+    if message is not None:
+        raise AssertionError(f"assert_trees_equal: {message}")

@@ -1,0 +1,329 @@
+"""Ready-made laws: a checkpoint round trip, and a training run that resumes exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .. import checkpoints
+from .._tree import path_to_name
+from ._compare import difference_message, is_node, show
+
+__all__ = ["assert_checkpoint_roundtrip", "assert_resumes_exactly"]
+
+
+@functools.cache
+def restore_keeps_weak_type() -> bool:
+    """Whether this eqx_train's restore gives a weakly typed `jax.Array` leaf back weakly
+    typed: probed once per process by a round trip of `jnp.asarray(1.0)`. The laws compare
+    weak types only when it does (see `assert_checkpoint_roundtrip`)."""
+    probe = {"x": jnp.asarray(1.0)}  # a Python float made an array: weakly typed
+    with tempfile.TemporaryDirectory() as directory:
+        path = checkpoints.save_checkpoint(directory, probe, 0)
+        return bool(checkpoints.restore_checkpoint(path, probe)["x"].weak_type)
+
+
+@contextlib.contextmanager
+def _directory(directory: str | os.PathLike[str] | None) -> Iterator[str]:
+    if directory is not None:
+        yield os.fspath(directory)
+        return
+    with tempfile.TemporaryDirectory(prefix="eqx_train-testing-") as temporary:
+        yield temporary
+
+
+def _save(directory: str, tree: Any, options: dict[str, Any]) -> str:
+    """Saves `tree` as a step newer than any in `directory` (nothing there is replaced, nor
+    pruned unless `options` set `keep`); returns the file's path once it is written (an
+    async save is waited for)."""
+    prefix = options.get("prefix", "checkpoint_")
+    storage = options.get("storage_options")
+    steps = checkpoints.available_steps(directory, prefix=prefix, storage_options=storage)
+    step = int(max(steps)) + 1 if steps else 0
+    options = {"keep": 1 << 62, **options}
+    path = checkpoints.save_checkpoint(directory, tree, step, **options)
+    manager = options.get("async_manager")
+    if manager is not None:
+        manager.wait_previous_save()
+    return path
+
+
+def _restore_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: options[k] for k in ("storage_options", "filter_spec") if k in options}
+
+
+def _saved_form(leaf: Any) -> tuple[Any, ...] | None:
+    """What of a leaf a checkpoint keeps, as a comparable tuple: arrays by dtype, shape and
+    bytes, typed keys by implementation, shape and key data, Python scalars by type and
+    bits, strings by value; None for leaves that are not saved (functions...)."""
+    if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        data = np.asarray(jax.random.key_data(leaf))
+        return ("key", str(jax.random.key_impl(leaf)), leaf.shape, data.tobytes())
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+        values = np.asarray(leaf)
+        return ("array", str(values.dtype), values.shape, values.tobytes())
+    if isinstance(leaf, float):
+        return ("float", struct.pack("<d", leaf))
+    if isinstance(leaf, bool | int):
+        return (type(leaf).__name__, leaf)
+    if isinstance(leaf, str):
+        return ("str", leaf)
+    return None
+
+
+def _saved_leaves(tree: Any) -> dict[str, tuple[Any, Any]]:
+    """Dotted tensor name -> (leaf, saved form) for every leaf a checkpoint keeps."""
+    pairs = jtu.tree_flatten_with_path(tree)[0]
+    return {
+        path_to_name(path): (leaf, form)
+        for path, leaf in pairs
+        if (form := _saved_form(leaf)) is not None
+    }
+
+
+def _check_as_saved(tree: Any, as_saved: Any, filter_spec: Any, path: str) -> None:
+    """Every leaf saved from `tree` is in `as_saved` (a `target=None` restore) under the
+    same name, with the same dtype, shape and bits; and nothing else is."""
+    if filter_spec is not None:
+        tree = eqx.filter(tree, filter_spec)
+    expected, got = _saved_leaves(tree), _saved_leaves(as_saved)
+    problems = [
+        (name, "saved but not restored", show(expected[name][0]), "missing")
+        for name in expected
+        if name not in got
+    ]
+    problems += [
+        (name, "restored but never saved", "missing", show(got[name][0]))
+        for name in got
+        if name not in expected
+    ]
+    problems += [
+        (name, "dtype, shape or bits differ", show(expected[name][0]), show(got[name][0]))
+        for name in expected
+        if name in got and expected[name][1] != got[name][1]
+    ]
+    if problems:
+        name, what, saved, restored = problems[0]
+        raise AssertionError(
+            f"assert_checkpoint_roundtrip: restoring {path} with target=None: leaf '{name}' "
+            f"{what} ({len(problems)} of {len(expected)} saved leaves differ; this is the "
+            f"first)\n     saved: {saved}\n  restored: {restored}"
+        )
+
+
+def assert_checkpoint_roundtrip(
+    tree: Any, directory: str | os.PathLike[str] | None = None, **save_options: Any
+) -> Any:
+    """Asserts that `tree` survives a checkpoint: saved, then restored, it is the same tree.
+
+    Saves `tree` with `eqx_train.checkpoints.save_checkpoint` (as a step newer than any
+    already in `directory`, keeping the others unless `keep` is given), then:
+
+    1. restores it into `tree` and asserts the result equals `tree` as
+       `assert_trees_equal` compares them: structure, leaf kinds, dtypes, shapes,
+       shardings, bits, the Python configuration of Equinox modules, and weak types
+       (see below);
+    2. restores it with `target=None` and asserts that every saved leaf comes back under
+       the same dotted name with the same dtype, shape and bits (typed keys: the same
+       implementation and key data), and that nothing else does.
+
+    **Weak types** (the rule, until every supported eqx_train version keeps them): the weak
+    type of `jax.Array` leaves is compared when this eqx_train's restore keeps weak types,
+    which is probed once per process by round-tripping `jnp.asarray(1.0)`. When the probe's
+    restore comes back strongly typed, weak types are not compared (every other property
+    still is).
+
+    **Arguments:**
+
+    - `tree`: the pytree to save: a model, a `TrainState`, any tree `save_checkpoint` takes.
+    - `directory`: where to save (a local path or an object-store URL); by default a
+      temporary directory, removed afterwards.
+    - `**save_options`: passed to `save_checkpoint` (`filter_spec`, `storage_options`,
+      `async_manager`, `prefix`, ...). `filter_spec` and `storage_options` are passed to the
+      restores too; with a `filter_spec`, only the leaves it selects are expected back.
+
+    **Returns:**
+
+    The tree restored into `tree`: a new tree, never `tree` itself.
+
+    **Raises:**
+
+    `AssertionError` naming the first differing path (or dotted tensor name), what differs,
+    both sides and how many leaves differ.
+
+    ```python
+    import equinox as eqx
+    import jax
+    from eqx_train.testing import assert_checkpoint_roundtrip
+
+    model = eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(0))
+    restored = assert_checkpoint_roundtrip(model)
+    assert restored is not model
+    ```
+    """
+    restore_options = _restore_options(save_options)
+    with _directory(directory) as where:
+        path = _save(where, tree, save_options)
+        restored = checkpoints.restore_checkpoint(path, tree, **restore_options)
+        as_saved = checkpoints.restore_checkpoint(path, None, **restore_options)
+    # A node or an array must come back as a new object; None or a Python scalar may be
+    # the very same object (they are immutable, and small ints are shared).
+    if restored is tree and (isinstance(tree, np.ndarray | jax.Array) or is_node(tree)):
+        raise AssertionError(
+            f"assert_checkpoint_roundtrip: restoring {path} returned the target itself, not a "
+            "restored tree (was nothing saved?)."
+        )
+    message = difference_message(
+        restored,
+        tree,
+        weak_type=restore_keeps_weak_type(),
+        names=("restored", "saved"),
+    )
+    if message is not None:
+        raise AssertionError(
+            f"assert_checkpoint_roundtrip: restoring {path} into the tree: {message}"
+        )
+    _check_as_saved(tree, as_saved, save_options.get("filter_spec"), path)
+    return restored
+
+
+def _copy_leaf(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    return x
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of `tree` whose array buffers are its own: a step that donates its input
+    cannot delete the arrays of `state` or of the other run."""
+    return jtu.tree_map(_copy_leaf, tree)
+
+
+def _call(step: Callable[[Any, Any], Any], state: Any, batch: Any) -> tuple[Any, Any, bool]:
+    """`step(state, batch)` as `(new_state, aux, has_aux)`."""
+    out = step(state, batch)
+    if jtu.tree_structure(out) == jtu.tree_structure(state):
+        return out, None, False
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "assert_resumes_exactly: `step` returned neither a tree with the structure of "
+            f"`state` nor a pair (new_state, aux); got {type(out).__name__}: "
+            f"{jtu.tree_structure(out)} vs the state's {jtu.tree_structure(state)}."
+        )
+    return out[0], out[1], True
+
+
+def _where(i: int, split_at: int) -> str:
+    if i < split_at:
+        return (
+            f"step {i}, before the save after {split_at} steps: `step` gave different results on "
+            "the same state and batch, so it reads something outside its arguments (a counter, "
+            "a global random generator, a closure it mutates)"
+        )
+    return f"step {i}, step {i - split_at + 1} of the run resumed after {split_at} steps"
+
+
+def assert_resumes_exactly(
+    step: Callable[[Any, Any], Any],
+    state: Any,
+    batches: Iterable[Any],
+    *,
+    split_at: int,
+    directory: str | os.PathLike[str] | None = None,
+) -> None:
+    """Asserts that a training run saved and restored after `split_at` steps continues
+    exactly as the uninterrupted run: the law behind resuming a preempted job.
+
+    Runs `step(state, batch)` over all `batches` twice, side by side: once straight
+    through, once with a save after `split_at` steps (`save_checkpoint`), a restore with
+    the initial `state` as target (`restore_checkpoint(path, state)`, as a restarted job
+    restores into the state it builds), and the rest. After
+    every step, asserts that both runs' states (and outputs, when `step` returns them) are
+    bit-identical as `assert_trees_equal` compares them, with weak types compared under
+    `assert_checkpoint_roundtrip`'s rule; the restored state is also compared with the one
+    saved.
+
+    `step`'s return value is the new state when its tree structure is `state`'s, else a
+    pair `(new_state, aux)` whose `aux` (metrics, a loss) is compared too. `step` may
+    donate its input (each run starts from its own copy of `state`).
+
+    **Arguments:**
+
+    - `step`: the training step, `step(state, batch)`, jitted or not.
+    - `state`: the initial state (a `TrainState`, or any pytree `save_checkpoint` takes);
+      not modified.
+    - `batches`: the batches, in order (iterated once; both runs see the same batches).
+    - `split_at`: after how many steps to save and restore, `0 <= split_at <= len(batches)`.
+    - `directory`: where to save (a local path or an object-store URL); by default a
+      temporary directory, removed afterwards. A step newer than any there is written.
+
+    **Returns:**
+
+    None.
+
+    **Raises:**
+
+    `AssertionError` naming the first step and pytree path that differ, what differs and
+    both sides; a difference before `split_at` says that `step` depends on something
+    outside its arguments. `ValueError` for a `split_at` out of range.
+
+    ```python
+    import jax.numpy as jnp
+    from eqx_train.testing import assert_resumes_exactly
+
+    def step(state, batch):
+        new = {"w": state["w"] - 0.1 * batch, "n": state["n"] + 1}
+        return new, {"loss": jnp.sum(new["w"] ** 2)}
+
+    state = {"w": jnp.ones(3), "n": jnp.asarray(0)}
+    assert_resumes_exactly(step, state, [jnp.full(3, i) for i in range(4)], split_at=2)
+    ```
+    """
+    batches = list(batches)
+    if not 0 <= split_at <= len(batches):
+        raise ValueError(
+            f"assert_resumes_exactly: split_at={split_at} is outside 0..{len(batches)} (the "
+            "number of batches)."
+        )
+    weak_type = restore_keeps_weak_type()
+    straight, resumed = _copy(state), _copy(state)
+
+    def check(a: Any, b: Any, where: str, what: str) -> None:
+        message = difference_message(a, b, weak_type=weak_type, names=("uninterrupted", "resumed"))
+        if message is not None:
+            raise AssertionError(f"assert_resumes_exactly: {where}: {what}: {message}")
+
+    with _directory(directory) as where:
+        for i in range(len(batches) + 1):
+            if i == split_at:
+                path = _save(where, resumed, {})
+                restored = checkpoints.restore_checkpoint(path, state)
+                message = difference_message(
+                    restored, resumed, weak_type=weak_type, names=("restored", "saved")
+                )
+                if message is not None:
+                    raise AssertionError(
+                        f"assert_resumes_exactly: the state restored from {path} after "
+                        f"{split_at} steps is not the state saved: {message}"
+                    )
+                resumed = restored
+            if i == len(batches):
+                break
+            straight, aux_a, has_aux = _call(step, straight, batches[i])
+            resumed, aux_b, _ = _call(step, resumed, batches[i])
+            if has_aux:
+                check(aux_a, aux_b, _where(i, split_at), "the outputs differ")
+            check(straight, resumed, _where(i, split_at), "the states differ")
