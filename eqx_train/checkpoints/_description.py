@@ -32,7 +32,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
+from .._tree import is_state, path_to_name, state_entries
 from ._errors import short
 from ._names import RESERVED_TENSOR_NAMES
 
@@ -137,6 +137,29 @@ def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
     return fill
 
 
+def weak_like(leaf: Any, restored: Any) -> Any:
+    """`restored` with the weak type of the target `leaf`: a `jax.Array` made from a Python
+    number (`eqx.nn.BatchNorm`'s batch counter, `jnp.array(0)`) is weakly typed, and a
+    strongly typed copy would promote what it meets (`momentum ** counter` turning bfloat16
+    into float32) and retrace every jitted function it is passed to."""
+    if getattr(leaf, "weak_type", False) and isinstance(restored, jax.Array):
+        return as_weak(restored)
+    return restored
+
+
+def as_weak(array: Any) -> Any:
+    """`array` (a `jax.Array`) weakly typed, with its dtype, values and sharding. JAX has no
+    public call for this; its `jax.numpy` functions use the one below."""
+    from jax._src.lax import lax as _lax  # no public equivalent (JAX 0.4.16 to 0.12)
+
+    return _lax._convert_element_type(array, array.dtype, weak_type=True)
+
+
+def _rebuild_array(array: np.ndarray, entry: dict[str, Any]) -> Any:
+    """A file's array as saved: NumPy, or a weakly typed `jax.Array` when it was one."""
+    return as_weak(jnp.asarray(array)) if entry.get("weak_type") else array
+
+
 LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind(
         "prng_key",
@@ -149,8 +172,8 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
         "array",
         lambda x: isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct),
         lambda x: x,
-        lambda a, entry: a,
-        lambda leaf, a: a if isinstance(leaf, np.ndarray) else _place(a, leaf),
+        _rebuild_array,
+        lambda leaf, a: a if isinstance(leaf, np.ndarray) else weak_like(leaf, _place(a, leaf)),
     ),
     LeafKind(
         "numpy_scalar",
@@ -199,7 +222,10 @@ def kind_of(leaf: Any) -> LeafKind | None:
 
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
     """One level of flattening as [(key, child)]; None when `node` is a leaf. Empty
-    containers ({}, [], an optax EmptyState) are nodes with no children, not leaves."""
+    containers ({}, [], an optax EmptyState) are nodes with no children, not leaves. An
+    `eqx.nn.State`'s entries are keyed by their `StateIndex` markers, not by position."""
+    if is_state(node):
+        return state_entries(node)
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return None
@@ -251,6 +277,8 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
         entry: dict[str, Any] = {"tensor": name, "kind": kind.name}
         if kind.name == "prng_key":
             entry["impl"] = str(jax.random.key_impl(leaf))
+        if getattr(data, "weak_type", False):
+            entry["weak_type"] = True
         return entry
 
     def visit(node: Any, keys: tuple[Any, ...]) -> Any:
@@ -330,8 +358,11 @@ def validate_description(description: Any, arrays: Arrays, bad: Callable[[str], 
             kind_name = node.get("kind", "array")
             name = node.get("tensor")
             kind = KIND_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
-            extra = set(node) - {"tensor", "kind", "impl"}
-            if not isinstance(name, str) or kind is None or extra:
+            extra = set(node) - {"tensor", "kind", "impl", "weak_type"}
+            weak = node.get("weak_type", True) is not True or (
+                "weak_type" in node and kind_name != "array"
+            )
+            if not isinstance(name, str) or kind is None or extra or weak:
                 raise bad(f"the tree description has an invalid tensor entry {short(node)}")
             if (kind.name == "prng_key") != isinstance(node.get("impl"), str):
                 raise bad(f"the tree description has an invalid tensor entry {short(node)}")

@@ -27,12 +27,12 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
 from . import _directory, _names, _selection
-from ._description import LeafKind, kind_of, rebuild
+from ._description import LeafKind, kind_of, rebuild, weak_like
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
+from ._leaf_names import leaf_names
 from ._shards import ShardedReader
 from ._storage import Storage
 from ._transfer import DEFAULT_HOST_WINDOW_BYTES, HostWindow, windowed_reads
@@ -303,6 +303,7 @@ def restore_from(
     available = reader.arrays()
     saved_keys = _saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
+    names = leaf_names(target, available, reader.path, caller)  # eqx.nn.State: by marker
     leaves = [leaf for _, leaf in pairs]
     chosen = _selection.selected(target, filter_spec)
     slots: list[tuple[int, str, LeafKind]] = []
@@ -315,7 +316,7 @@ def restore_from(
         kind = kind_of(leaf)
         if kind is None:
             continue  # not data: kept from the target
-        name = path_to_name(key_path)
+        name = names[index]
         if not chosen[index]:
             used.add(name)  # left out by filter_spec: kept from the target, never "extra"
             continue
@@ -331,6 +332,15 @@ def restore_from(
                 problems.append(f"'{name}': missing from the file, target expects {expectation}")
             continue
         used.add(name)
+        # Before the shape: an rbg key's data is (4,), a threefry key's (2,).
+        if kind.name == "prng_key" and saved_keys.get(name, str(jax.random.key_impl(leaf))) != str(
+            jax.random.key_impl(leaf)
+        ):
+            problems.append(
+                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects "
+                f"{jax.random.key_impl(leaf)}"
+            )
+            continue
         file_shape, file_dtype = available[name]
         if dtype is not None:
             shared_arrays.append((file_shape, file_dtype, shape, dtype))
@@ -340,14 +350,6 @@ def restore_from(
             problems.append(
                 f"'{name}': file has {_describe(file_shape, file_dtype)}, target expects "
                 f"{expectation}"
-            )
-            continue
-        if kind.name == "prng_key" and saved_keys.get(name, str(jax.random.key_impl(leaf))) != str(
-            jax.random.key_impl(leaf)
-        ):
-            problems.append(
-                f"'{name}': file has a {saved_keys[name]} PRNG key, target expects "
-                f"{jax.random.key_impl(leaf)}"
             )
             continue
         (config_slots if is_config else slots).append((index, name, kind))
@@ -388,7 +390,7 @@ def restore_from(
                 leaves[index].block_until_ready()
     for index, name, _ in slots:
         if name not in whole:
-            leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
+            leaves[index] = weak_like(leaves[index], _read_blockwise(reader, name, leaves[index], verify))
     # Python scalars: a few bytes each, read outside the window.
     config_arrays = reader.read_many(
         [name for _, name, _ in config_slots], verify=verify, parallel=parallel
