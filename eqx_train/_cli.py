@@ -204,9 +204,8 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
-        for entry in reader:
-            layout = ".shards" if entry.sharded else "file"
-            print(f"  step {entry.text:<10} {layout:<8} {os.path.basename(entry.path)}")
+        for line in _listing_lines(reader, args):
+            print(line)
         return 0
     with reader:
         arrays = reader.arrays()
@@ -221,7 +220,56 @@ def _inspect(args: argparse.Namespace) -> int:
         print("tensors:")
         for line in _tree_lines(arrays):
             print(line)
+        for line in _key_lines(reader):
+            print(line)
     return 0
+
+
+def _key_lines(reader: engine.Reader) -> list[str]:
+    """Each typed PRNG key and its implementation (its tensor holds only the key data)."""
+    impls = engine.key_impls(reader.description()) if reader.has_description else {}
+    if not impls:
+        return []
+    width = max(len(name) for name in impls)
+    return ["typed PRNG keys:", *(f"  {n:<{width}}  {impl}" for n, impl in sorted(impls.items()))]
+
+
+def _listing_lines(listing: list[Any], args: argparse.Namespace) -> list[str]:
+    """One line per checkpoint of a directory: step, layout, name, and the metrics its
+    header holds, the best one marked `*` (by `--best-metric`, or the only metric there is)."""
+    metrics: list[dict[str, Any] | str | None] = []
+    for entry in listing:
+        try:
+            with _open(entry.path, args.prefix)[1] as reader:
+                raw = reader.metadata.get(engine.METRICS_KEY)
+            value = None if raw is None else engine.parse_json(raw, "the metrics", ValueError)
+            metrics.append(value if isinstance(value, dict) else None)
+        except (OSError, ValueError, CheckpointFormatError) as error:
+            metrics.append(f"(unreadable: {short(_one_line(error), 80)})")
+    names = {name for m in metrics if isinstance(m, dict) for name in m}
+    metric = args.best_metric or (next(iter(names)) if len(names) == 1 else None)
+    sign = -1.0 if args.mode == "max" else 1.0
+    scores = [
+        sign * m[metric]
+        if isinstance(m, dict) and isinstance(m.get(metric), int | float) and m[metric] == m[metric]
+        else math.inf
+        for m in metrics
+    ]
+    best = min(range(len(scores)), key=lambda i: (scores[i], -i)) if scores else None
+    if best is not None and scores[best] == math.inf:
+        best = None
+    lines = []
+    for i, (entry, m) in enumerate(zip(listing, metrics, strict=True)):
+        layout = ".shards" if entry.sharded else "file"
+        shown = m if isinstance(m, str) else " ".join(f"{k}={v:g}" for k, v in (m or {}).items())
+        mark = "*" if i == best else " "
+        line = f"{mark} step {entry.text:<10} {layout:<8} {os.path.basename(entry.path)}  {shown}"
+        lines.append(line.rstrip())
+    if best is not None:
+        lines.append(f"* best by '{metric}' ({args.mode}): step {listing[best].text}")
+    elif names and metric is None:
+        lines.append(f"metrics {sorted(names)}: choose the best with --best-metric NAME")
+    return lines
 
 
 # ------------------------------------------------------------------------------ verify
@@ -469,6 +517,17 @@ def _parser() -> argparse.ArgumentParser:
         "for a directory of checkpoints, list them.",
     )
     sub.add_argument("path", help="a checkpoint file, .shards or Hugging Face directory")
+    sub.add_argument(
+        "--best-metric",
+        help="for a directory: the metric that ranks checkpoints, as CheckpointManager's "
+        "best_metric (default: the only metric the checkpoints hold)",
+    )
+    sub.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        default="min",
+        help="for a directory: whether lower (min, the default) or higher metrics are better",
+    )
     sub.set_defaults(run=_inspect)
     sub = command("verify", "Check every tensor against its checksum; exit 1 on any mismatch.")
     sub.add_argument("path", help="a checkpoint, or a directory of checkpoints (all checked)")

@@ -419,6 +419,23 @@ def validate_description(description: Any, arrays: Arrays, bad: Callable[[str], 
         raise bad(f"the file has tensors the tree does not name: {short(sorted(unnamed)[:5])}")
 
 
+def key_impls(description: Any) -> dict[str, str]:
+    """The implementation (`threefry2x32`, `rbg`, ...) of every typed PRNG key a (validated)
+    description records, by tensor name."""
+    found: dict[str, str] = {}
+    stack = [description]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("kind") == "prng_key":
+                found[node["tensor"]] = node["impl"]
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
 _EMPTY_CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
 
 

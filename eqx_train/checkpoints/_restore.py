@@ -28,7 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from . import _directory, _names, _selection
-from ._description import LeafKind, kind_of, rebuild, weak_like
+from ._description import LeafKind, key_impls, kind_of, rebuild, weak_like
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
@@ -407,20 +407,7 @@ def restore_from(
 
 def _saved_key_impls(reader: Reader) -> dict[str, str]:
     """The implementation of every typed PRNG key the file's tree records, by tensor name."""
-    if not reader.has_description:
-        return {}
-    found: dict[str, str] = {}
-    stack = [reader.description()]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("kind") == "prng_key":
-                found[node["tensor"]] = node["impl"]
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
+    return key_impls(reader.description()) if reader.has_description else {}
 
 
 def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:

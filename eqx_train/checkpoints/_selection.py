@@ -5,6 +5,8 @@ configuration (the target's value wins), and the hint for a file saved replicate
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -111,8 +113,19 @@ def warn_config(path: str, differences: list[str], caller: str) -> None:
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),
-        stacklevel=6,  # the caller of restore_checkpoint
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside eqx_train, seen from the function that
+    calls `warnings.warn`: the user's line, whichever public function (restore_checkpoint,
+    CheckpointManager.restore, an interop loader) the restore went through."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any]]) -> str:
