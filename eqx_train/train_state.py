@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -17,6 +17,10 @@ from ._tree import leaves_with_names
 
 __all__ = ["TrainState"]
 
+# What `create`, `replace` and `apply_gradients` return: the class they were called on (a
+# TypeVar rather than `typing.Self`, which run-time checkers refuse outside their own
+# decorated classes).
+_State = TypeVar("_State", bound="TrainState")
 _MISSING: Any = object()  # `create`'s `model` when omitted (None is a valid pytree)
 
 
@@ -204,14 +208,14 @@ class TrainState(eqx.Module):
 
     @classmethod
     def create(
-        cls,
+        cls: type[_State],
         *,
         model: PyTree = _MISSING,
         tx: optax.GradientTransformation,
         trainable: Callable[[Any], bool]
         | PyTree[bool | Callable[[Any], bool]] = eqx.is_inexact_array,
         **kwargs: Any,
-    ) -> Self:
+    ) -> _State:
         """Returns a new state with `step=0` and `opt_state = tx.init(trainable leaves)`.
 
         **Arguments:**
@@ -244,7 +248,7 @@ class TrainState(eqx.Module):
             **kwargs,
         )
 
-    def replace(self, **fields: Any) -> Self:
+    def replace(self: _State, **fields: Any) -> _State:
         """Returns a copy of the state with `fields` replaced: flax's `state.replace(...)`.
 
         Nothing is recomputed: replacing `model` keeps `opt_state` as it is (as in flax),
@@ -288,7 +292,7 @@ class TrainState(eqx.Module):
         """The model, under the name flax users know (`state.params`)."""
         return self.model
 
-    def apply_gradients(self, *, grads: PyTree, **kwargs: Any) -> Self:
+    def apply_gradients(self: _State, *, grads: PyTree, **kwargs: Any) -> _State:
         """Returns a new state with `tx` applied to `grads` and `step + 1`.
 
         Runs `tx.update(grads, opt_state, params)` then `optax.apply_updates`, exactly as flax

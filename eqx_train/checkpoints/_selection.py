@@ -5,7 +5,6 @@ configuration (the target's value wins), and the hint for a file saved replicate
 from __future__ import annotations
 
 import math
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -113,19 +112,8 @@ def warn_config(path: str, differences: list[str], caller: str) -> None:
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),
-        stacklevel=_user_stacklevel(),
+        stacklevel=_user_stacklevel(sys._getframe()),
     )
-
-
-def _user_stacklevel() -> int:
-    """The `stacklevel` of the first frame outside eqx_train, seen from the function that
-    calls `warnings.warn`: the user's line, whichever public function (restore_checkpoint,
-    CheckpointManager.restore, an interop loader) the restore went through."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(2), 2  # the caller of the function that warns
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any]]) -> str:
@@ -147,3 +135,17 @@ def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any
         "saved replicated? Call eqx_train.unreplicate before saving, or restore into a "
         "replicated target (eqx_train.replicate(target))."
     )
+
+
+def _user_stacklevel(warning_frame: Any) -> int:
+    """The `stacklevel` of the first frame outside eqx_train, seen from `warning_frame` (of
+    the function that calls `warnings.warn`): the user's line, whichever public function (restore_checkpoint,
+    CheckpointManager.restore, an interop loader) the restore went through. Run-time type
+    checkers' wrappers (jaxtyping, beartype) around our functions are skipped too."""
+    frame, level = warning_frame.f_back, 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OUR_FRAMES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_OUR_FRAMES = ("eqx_train.", "jaxtyping", "beartype")
