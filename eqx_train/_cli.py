@@ -249,12 +249,14 @@ def _listing_lines(listing: list[Any], args: argparse.Namespace) -> list[str]:
     names = {name for m in metrics if isinstance(m, dict) for name in m}
     metric = args.best_metric or (next(iter(names)) if len(names) == 1 else None)
     sign = -1.0 if args.mode == "max" else 1.0
-    scores = [
-        sign * m[metric]
-        if isinstance(m, dict) and isinstance(m.get(metric), int | float) and m[metric] == m[metric]
-        else math.inf
-        for m in metrics
-    ]
+
+    def score(m: dict[str, Any] | str | None) -> float:
+        value = m.get(metric) if isinstance(m, dict) and metric else None
+        if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+            return math.inf  # no such metric, or not a number: never the best
+        return sign * float(value)
+
+    scores = [score(m) for m in metrics]
     best = min(range(len(scores)), key=lambda i: (scores[i], -i)) if scores else None
     if best is not None and scores[best] == math.inf:
         best = None

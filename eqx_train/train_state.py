@@ -199,9 +199,7 @@ class TrainState(eqx.Module):
     model: PyTree
     opt_state: PyTree
     tx: optax.GradientTransformation = eqx.field(static=True)
-    trainable: Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]] = eqx.field(
-        static=True
-    )
+    trainable: Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]] = eqx.field(static=True)
 
     def __check_init__(self) -> None:
         _check_tx_and_filter(self.tx, self.trainable)

@@ -390,7 +390,8 @@ def restore_from(
                 leaves[index].block_until_ready()
     for index, name, _ in slots:
         if name not in whole:
-            leaves[index] = weak_like(leaves[index], _read_blockwise(reader, name, leaves[index], verify))
+            read = _read_blockwise(reader, name, leaves[index], verify)
+            leaves[index] = weak_like(leaves[index], read)
     # Python scalars: a few bytes each, read outside the window.
     config_arrays = reader.read_many(
         [name for _, name, _ in config_slots], verify=verify, parallel=parallel

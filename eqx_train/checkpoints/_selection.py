@@ -139,9 +139,9 @@ def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any
 
 def _user_stacklevel(warning_frame: Any) -> int:
     """The `stacklevel` of the first frame outside eqx_train, seen from `warning_frame` (of
-    the function that calls `warnings.warn`): the user's line, whichever public function (restore_checkpoint,
-    CheckpointManager.restore, an interop loader) the restore went through. Run-time type
-    checkers' wrappers (jaxtyping, beartype) around our functions are skipped too."""
+    the function that calls `warnings.warn`): the user's line, whichever public function
+    (restore_checkpoint, CheckpointManager.restore, an interop loader) the restore went
+    through. Run-time type checkers' wrappers (jaxtyping, beartype) are skipped too."""
     frame, level = warning_frame.f_back, 2
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_OUR_FRAMES):
         frame, level = frame.f_back, level + 1
