@@ -150,9 +150,15 @@ def weak_like(leaf: Any, restored: Any) -> Any:
 def as_weak(array: Any) -> Any:
     """`array` (a `jax.Array`) weakly typed, with its dtype, values and sharding. JAX has no
     public call for this; its `jax.numpy` functions use the one below."""
-    from jax._src.lax import lax as _lax  # no public equivalent (JAX 0.4.16 to 0.12)
+    try:
+        from jax._src.lax import lax as _lax  # no public equivalent (JAX 0.4.16 to 0.10)
 
-    return _lax._convert_element_type(array, array.dtype, weak_type=True)
+        return _lax._convert_element_type(array, array.dtype, weak_type=True)
+    except (ImportError, AttributeError, TypeError):  # a JAX that moved it: the public way
+        if array.ndim != 0:
+            return array
+        weak = jax.device_put(jnp.asarray(array.item()), array.sharding)  # a Python number
+        return weak if weak.dtype == array.dtype else array
 
 
 def _rebuild_array(array: np.ndarray, entry: dict[str, Any]) -> Any:
