@@ -10,6 +10,7 @@ accelerator and start fast. Errors are one line on stderr naming the file, exit 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ._cli_listing import key_lines, listing_lines
 from .checkpoints import engine
 from .checkpoints.engine import CheckpointFormatError, FileReader, IndexReader, short
 from .interop import engine as interop
@@ -204,7 +206,8 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
-        for line in _listing_lines(reader, args):
+        metadata_at = functools.partial(_metadata_at, prefix=args.prefix)
+        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode):
             print(line)
         return 0
     with reader:
@@ -220,58 +223,19 @@ def _inspect(args: argparse.Namespace) -> int:
         print("tensors:")
         for line in _tree_lines(arrays):
             print(line)
-        for line in _key_lines(reader):
+        for line in key_lines(reader):
             print(line)
     return 0
 
 
-def _key_lines(reader: engine.Reader) -> list[str]:
-    """Each typed PRNG key and its implementation (its tensor holds only the key data)."""
-    impls = engine.key_impls(reader.description()) if reader.has_description else {}
-    if not impls:
-        return []
-    width = max(len(name) for name in impls)
-    return ["typed PRNG keys:", *(f"  {n:<{width}}  {impl}" for n, impl in sorted(impls.items()))]
-
-
-def _listing_lines(listing: list[Any], args: argparse.Namespace) -> list[str]:
-    """One line per checkpoint of a directory: step, layout, name, and the metrics its
-    header holds, the best one marked `*` (by `--best-metric`, or the only metric there is)."""
-    metrics: list[dict[str, Any] | str | None] = []
-    for entry in listing:
-        try:
-            with _open(entry.path, args.prefix)[1] as reader:
-                raw = reader.metadata.get(engine.METRICS_KEY)
-            value = None if raw is None else engine.parse_json(raw, "the metrics", ValueError)
-            metrics.append(value if isinstance(value, dict) else None)
-        except (OSError, ValueError, CheckpointFormatError) as error:
-            metrics.append(f"(unreadable: {short(_one_line(error), 80)})")
-    names = {name for m in metrics if isinstance(m, dict) for name in m}
-    metric = args.best_metric or (next(iter(names)) if len(names) == 1 else None)
-    sign = -1.0 if args.mode == "max" else 1.0
-
-    def score(m: dict[str, Any] | str | None) -> float:
-        value = m.get(metric) if isinstance(m, dict) and metric else None
-        if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
-            return math.inf  # no such metric, or not a number: never the best
-        return sign * float(value)
-
-    scores = [score(m) for m in metrics]
-    best = min(range(len(scores)), key=lambda i: (scores[i], -i)) if scores else None
-    if best is not None and scores[best] == math.inf:
-        best = None
-    lines = []
-    for i, (entry, m) in enumerate(zip(listing, metrics, strict=True)):
-        layout = ".shards" if entry.sharded else "file"
-        shown = m if isinstance(m, str) else " ".join(f"{k}={v:g}" for k, v in (m or {}).items())
-        mark = "*" if i == best else " "
-        line = f"{mark} step {entry.text:<10} {layout:<8} {os.path.basename(entry.path)}  {shown}"
-        lines.append(line.rstrip())
-    if best is not None:
-        lines.append(f"* best by '{metric}' ({args.mode}): step {listing[best].text}")
-    elif names and metric is None:
-        lines.append(f"metrics {sorted(names)}: choose the best with --best-metric NAME")
-    return lines
+def _metadata_at(path: str, prefix: str) -> dict[str, str]:
+    """The metadata of the checkpoint at `path` (its header or index only)."""
+    try:
+        reader = _open(path, prefix)[1]
+    except CommandError as error:  # gone since it was listed
+        raise OSError(str(error)) from None
+    with reader:
+        return reader.metadata
 
 
 # ------------------------------------------------------------------------------ verify
