@@ -10,6 +10,7 @@ accelerator and start fast. Errors are one line on stderr naming the file, exit 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ._cli_listing import key_lines, listing_lines
 from .checkpoints import engine
 from .checkpoints.engine import CheckpointFormatError, FileReader, IndexReader, short
 from .interop import engine as interop
@@ -227,9 +229,9 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
-        for entry in reader:
-            layout = ".shards" if entry.sharded else "file"
-            print(f"  step {entry.text:<10} {layout:<8} {os.path.basename(entry.path)}")
+        metadata_at = functools.partial(_metadata_at, prefix=args.prefix)
+        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode):
+            print(line)
         return 0
     with reader:
         arrays = reader.arrays()
@@ -247,7 +249,19 @@ def _inspect(args: argparse.Namespace) -> int:
             print("tensors:")
         for line in _prefix_lines(arrays) if args.tree else _tree_lines(arrays):
             print(line)
+        for line in key_lines(reader):
+            print(line)
     return 0
+
+
+def _metadata_at(path: str, prefix: str) -> dict[str, str]:
+    """The metadata of the checkpoint at `path` (its header or index only)."""
+    try:
+        reader = _open(path, prefix)[1]
+    except CommandError as error:  # gone since it was listed
+        raise OSError(str(error)) from None
+    with reader:
+        return reader.metadata
 
 
 # ------------------------------------------------------------------------------ verify
@@ -500,6 +514,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list every full dotted name under each of its prefixes, with tensor counts "
         "(the names restore_checkpoint's rename= takes); a directory shows its latest",
+    )
+    sub.add_argument(
+        "--best-metric",
+        help="for a directory: the metric that ranks checkpoints, as CheckpointManager's "
+        "best_metric (default: the only metric the checkpoints hold)",
+    )
+    sub.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        default="min",
+        help="for a directory: whether lower (min, the default) or higher metrics are better",
     )
     sub.set_defaults(run=_inspect)
     sub = command("verify", "Check every tensor against its checksum; exit 1 on any mismatch.")

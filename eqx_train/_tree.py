@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    import equinox as eqx
     import jax
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
     from ._lazy import LazyModule
 
+    eqx = LazyModule("equinox")
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
@@ -37,6 +39,40 @@ def path_to_name(path: Sequence[Any]) -> str:
     if len(path) == 0:
         return "<root>"
     return ".".join(key_to_str(k) for k in path)
+
+
+def is_state(x: Any) -> bool:
+    """True for an `eqx.nn.State` (the running statistics of `BatchNorm` and the like)."""
+    return isinstance(x, eqx.nn.State)
+
+
+def state_entries(state: Any) -> list[tuple[Any, Any]]:
+    """The entries of an `eqx.nn.State` as `[(key, value)]`, each keyed by its
+    `StateIndex` marker (`DictKey('Model.bn.ema_state_index')`).
+
+    JAX flattens a `State` by position (`FlattenedIndexKey(0)`, ...), so inserting a
+    stateful layer renumbers every later entry; the markers `eqx.nn.make_with_state` gives
+    are the layers' own paths and do not move. Markers that are not unique strings (a
+    `State` built some other way) keep the positional keys.
+    """
+    values, markers = state.tree_flatten()
+    named = all(isinstance(m, str) for m in markers) and len(set(markers)) == len(markers)
+    keys = [jtu.DictKey(m) if named else jtu.FlattenedIndexKey(i) for i, m in enumerate(markers)]
+    return list(zip(keys, values, strict=True))
+
+
+def flatten_with_names(tree: Any) -> list[tuple[KeyPath, Any]]:
+    """`jtu.tree_flatten_with_path(tree)[0]`, in the same order, except that the entries of
+    every `eqx.nn.State` are keyed by their markers (`state_entries`): the key paths a
+    checkpoint names its tensors by."""
+    pairs = []
+    for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+        if not is_state(leaf):
+            pairs.append((path, leaf))
+            continue
+        for key, value in state_entries(leaf):
+            pairs += [((*path, key, *sub), x) for sub, x in flatten_with_names(value)]
+    return pairs
 
 
 def is_array(x: Any) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -17,6 +17,10 @@ from ._tree import leaves_with_names
 
 __all__ = ["TrainState"]
 
+# What `create`, `replace` and `apply_gradients` return: the class they were called on (a
+# TypeVar rather than `typing.Self`, which run-time checkers refuse outside their own
+# decorated classes).
+_State = TypeVar("_State", bound="TrainState")
 _MISSING: Any = object()  # `create`'s `model` when omitted (None is a valid pytree)
 
 
@@ -44,10 +48,47 @@ def _check_tx_and_filter(tx: Any, trainable: Any) -> None:
             "TrainState: `tx` must be an optax.GradientTransformation (with `init` and "
             f"`update`), got {type(tx).__name__} {tx!r}."
         )
-    if not callable(trainable):
+    if _is_filter_function(trainable):
+        return
+    bad = [x for x in jtu.tree_leaves(trainable) if not (isinstance(x, bool) or callable(x))]
+    if bad:
         raise TypeError(
-            f"TrainState: `trainable` must be a filter function leaf -> bool, got {trainable!r}."
+            "TrainState: `trainable` must be a filter function leaf -> bool, or a filter_spec "
+            "pytree (a prefix of `model` whose leaves are bools or filter functions, e.g. "
+            f"built with eqx.tree_at); it holds {type(bad[0]).__name__} {bad[0]!r}."
         )
+
+
+def _is_filter_function(trainable: Any) -> bool:
+    """A function applied to every leaf, as opposed to a filter_spec pytree. An Equinox
+    module is callable but is a pytree (a filter_spec built from the model), as in
+    `eqx.filter`."""
+    return callable(trainable) and not isinstance(trainable, eqx.Module)
+
+
+def _trainable_mask(trainable: Any, model: PyTree) -> PyTree:
+    """A bool per leaf of `model`: whether `tx` updates it.
+
+    A filter function decides alone (as always); a filter_spec pytree says True or False (or
+    gives a function) for each of its leaves' subtrees of `model`, and of the leaves it marks
+    True only floating-point arrays are trained: an activation function or an integer buffer
+    under a True is left alone, as by the default filter.
+    """
+    if _is_filter_function(trainable):
+        return jtu.tree_map(trainable, model)
+
+    def resolve(spec: Any, subtree: PyTree) -> PyTree:
+        choose = spec if callable(spec) else (lambda _: spec)
+        return jtu.tree_map(lambda x: bool(choose(x)) and eqx.is_inexact_array(x), subtree)
+
+    try:
+        return jtu.tree_map(resolve, trainable, model)
+    except ValueError as error:
+        raise ValueError(
+            "TrainState: the filter_spec `trainable` is not a prefix of `model` (build it from "
+            "the model, e.g. jax.tree.map(lambda _: True, model) then eqx.tree_at to set "
+            f"False where frozen): {str(error).splitlines()[0]}"
+        ) from None
 
 
 class TrainState(eqx.Module):
@@ -64,8 +105,9 @@ class TrainState(eqx.Module):
       such as activation functions.
     - `opt_state`: the state of `tx`, initialised on the trainable leaves of `model`.
     - `tx`: the `optax.GradientTransformation` (a static field).
-    - `trainable`: a filter function choosing the leaves that `tx` updates (a static field;
-      `eqx.is_inexact_array` by default, so integer buffers and functions are left alone).
+    - `trainable`: which leaves `tx` updates (a static field): a filter function
+      (`eqx.is_inexact_array` by default, so integer buffers and functions are left alone),
+      or a filter_spec pytree as `eqx.filter` takes, to freeze layers (below).
 
     **Example:**
 
@@ -111,6 +153,41 @@ class TrainState(eqx.Module):
     state = state.apply_gradients(grads=grads, ema_model=new_ema)
     ```
 
+    **Freezing layers:** pass a filter_spec: a pytree shaped like the model (or a prefix of
+    it) of bools or filter functions, False where frozen, built the Equinox way with
+    `eqx.tree_at`. Frozen leaves are never updated and get no optimiser state (an Adam
+    freezing half the model allocates half the moments); gradients at them are ignored.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import optax
+    from eqx_train import TrainState
+
+    model = eqx.nn.MLP(2, 2, 8, 2, key=jax.random.key(0))
+    frozen_first = eqx.tree_at(
+        lambda m: m.layers[0], jax.tree.map(lambda _: True, model), replace=False
+    )
+    state = TrainState.create(model=model, tx=optax.adam(1e-3), trainable=frozen_first)
+    grads = jax.tree.map(jax.numpy.ones_like, eqx.filter(model, eqx.is_array))
+    state = state.apply_gradients(grads=grads)
+    assert (state.model.layers[0].weight == model.layers[0].weight).all()
+    assert state.opt_state[0].mu.layers[0].weight is None  # no moments for frozen leaves
+    ```
+
+    `optax.multi_transform` is the other way: it keeps every leaf in the optimiser and
+    gives the frozen ones `optax.set_to_zero()` (their updates are zero, and a label tree
+    chooses a transformation per leaf, e.g. a different learning rate per layer).
+    `trainable` is the way when frozen leaves should cost nothing; `multi_transform` when
+    different leaves need different optimisers.
+
+    **`tx` is part of the state's structure.** It is a static field, so two states are the
+    same pytree type only if their `tx` is the same object: two calls of `optax.adam(1e-3)`
+    make two different functions. Build the optimiser once and use it for every state of
+    the run: restore into a state created with the same `tx`, and do not build a new one
+    inside a step (an `eqx.filter_jit` step would compile again on every call). `jit_step`,
+    `pmap_step` and `apply_gradients` say so when they meet a state with another `tx`.
+
     !!! note "Differences from flax"
         There is no `apply_fn`: an Equinox model is callable. `params` is kept as a read-only
         alias of `model` (so `create(apply_fn=, params=, tx=)` raises, explaining the
@@ -122,27 +199,30 @@ class TrainState(eqx.Module):
     model: PyTree
     opt_state: PyTree
     tx: optax.GradientTransformation = eqx.field(static=True)
-    trainable: Callable[[Any], bool] = eqx.field(static=True)
+    trainable: Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]] = eqx.field(static=True)
 
     def __check_init__(self) -> None:
         _check_tx_and_filter(self.tx, self.trainable)
 
     @classmethod
     def create(
-        cls,
+        cls: type[_State],
         *,
         model: PyTree = _MISSING,
         tx: optax.GradientTransformation,
-        trainable: Callable[[Any], bool] = eqx.is_inexact_array,
+        trainable: Callable[[Any], bool]
+        | PyTree[bool | Callable[[Any], bool]] = eqx.is_inexact_array,
         **kwargs: Any,
-    ) -> "TrainState":
+    ) -> _State:
         """Returns a new state with `step=0` and `opt_state = tx.init(trainable leaves)`.
 
         **Arguments:**
 
         - `model`: the params pytree or Equinox model to train (required).
         - `tx`: the Optax optimiser.
-        - `trainable`: filter choosing which leaves `tx` sees (default `eqx.is_inexact_array`).
+        - `trainable`: which leaves `tx` sees: a filter function (default
+          `eqx.is_inexact_array`) or a filter_spec pytree, False where frozen (frozen leaves
+          get no optimiser state).
         - `**kwargs`: values for the extra fields of a subclass.
 
         **Returns:**
@@ -156,7 +236,7 @@ class TrainState(eqx.Module):
         """
         _check_flax_keywords(cls, model, kwargs)
         _check_tx_and_filter(tx, trainable)
-        opt_state = tx.init(eqx.filter(model, trainable))
+        opt_state = tx.init(eqx.filter(model, _trainable_mask(trainable, model)))
         return cls(
             step=jnp.asarray(0, dtype=jnp.int32),
             model=model,
@@ -166,7 +246,7 @@ class TrainState(eqx.Module):
             **kwargs,
         )
 
-    def replace(self, **fields: Any) -> "TrainState":
+    def replace(self: _State, **fields: Any) -> _State:
         """Returns a copy of the state with `fields` replaced: flax's `state.replace(...)`.
 
         Nothing is recomputed: replacing `model` keeps `opt_state` as it is (as in flax),
@@ -210,7 +290,7 @@ class TrainState(eqx.Module):
         """The model, under the name flax users know (`state.params`)."""
         return self.model
 
-    def apply_gradients(self, *, grads: PyTree, **kwargs: Any) -> "TrainState":
+    def apply_gradients(self: _State, *, grads: PyTree, **kwargs: Any) -> _State:
         """Returns a new state with `tx` applied to `grads` and `step + 1`.
 
         Runs `tx.update(grads, opt_state, params)` then `optax.apply_updates`, exactly as flax
@@ -228,7 +308,7 @@ class TrainState(eqx.Module):
 
         The updated state. Pure and jit-safe: nothing is mutated.
         """
-        mask = jtu.tree_map(self.trainable, self.model)
+        mask = _trainable_mask(self.trainable, self.model)
         params, frozen = eqx.partition(self.model, mask)
         try:
             trainable_grads = eqx.filter(grads, mask)
@@ -242,12 +322,44 @@ class TrainState(eqx.Module):
                 "TrainState.apply_gradients: `grads` does not match the trainable leaves of "
                 f"`model`: {_describe_mismatch(trainable_grads, params)}."
             )
-        updates, new_opt_state = self.tx.update(trainable_grads, self.opt_state, params)
+        try:
+            updates, new_opt_state = self.tx.update(trainable_grads, self.opt_state, params)
+        except (ValueError, TypeError):
+            _check_opt_state(self.tx, self.opt_state, params)
+            raise
         new_params = optax.apply_updates(params, updates)
         new_model = eqx.combine(new_params, frozen)
         names = ("step", "model", "opt_state", *kwargs)
         values = (self.step + 1, new_model, new_opt_state, *kwargs.values())
         return _replace(self, names, values)
+
+
+def _check_opt_state(tx: Any, opt_state: PyTree, params: PyTree) -> None:
+    """Raises our error when `opt_state` is not the state `tx` makes for `params` (a model
+    changed by `eqx.tree_at` after `create`, or an `opt_state` from another state)."""
+    expected = jax.eval_shape(tx.init, params)
+    if jax.tree.structure(expected) == jax.tree.structure(opt_state):
+        return
+    want = {f"opt_state.{n}": x for n, x in leaves_with_names(expected)[0]}
+    have = {f"opt_state.{n}": x for n, x in leaves_with_names(opt_state)[0]}
+    if set(want) != set(have):
+        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        difference = f"it lacks {missing[:3]}" if missing else ""
+        difference += "; " if missing and extra else ""
+        difference += f"it has {extra[:3]}, which tx.init does not make" if extra else ""
+    else:
+        shapes = [
+            f"'{n}' is {jnp.shape(have[n])}, tx.init makes {want[n].shape}"
+            for n in want
+            if jnp.shape(have[n]) != want[n].shape
+        ]
+        difference = shapes[0] if shapes else "their static fields differ"
+    raise ValueError(
+        "TrainState.apply_gradients: `opt_state` is not what `tx` makes for the trainable "
+        f"leaves of `model` ({difference}): the model was changed after `create` (e.g. by "
+        "eqx.tree_at), or the state holds another state's `opt_state`. Build the state "
+        "again with TrainState.create(model=new_model, tx=tx)."
+    )
 
 
 def _field_names(cls_or_module: Any) -> list[str]:

@@ -3,6 +3,7 @@ buffers, for the mesh track (`jax.jit`) and the pmap track (`jax.pmap`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -163,7 +164,17 @@ def _rebuild_and_check(
     static_structure = jax.tree.structure(static)
 
     def traced(arrays: PyTree, *args: Any, **kwargs: Any) -> Any:
-        state = eqx.combine(arrays, static)
+        try:
+            state = eqx.combine(arrays, static)
+        except ValueError:
+            raise ValueError(
+                f"{caller}: `arrays` is not the array part of a state like the one `static` "
+                f"came from: {_static_difference(arrays, static)}. `tx` is part of a "
+                "TrainState's structure (a static field), and two calls of optax.adam(...) "
+                "make two different optimisers: build the optimiser once, and restore into a "
+                "state created with that same `tx` (or partition the restored state and "
+                f"build a new {caller} from its static part)."
+            ) from None
         out = fn(state, *args, **kwargs)
         new_state, aux = out if has_aux else (out, None)
         new_arrays, new_static = eqx.partition(new_state, eqx.is_array)
@@ -178,6 +189,61 @@ def _rebuild_and_check(
         return (new_arrays, aux) if has_aux else new_arrays
 
     return traced
+
+
+def _static_difference(a: PyTree, b: PyTree) -> str:
+    """Where the array part `a` and the static part `b` of what should be one state first
+    disagree: "the static field 'tx' differs (...)", or their structures shown."""
+    return _first_difference(a, b, "") or (
+        f"their structures differ: {_short(jax.tree.structure(a), 300)} vs "
+        f"{_short(jax.tree.structure(b), 300)}"
+    )
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    if a is None or b is None or eqx.is_array(a) or eqx.is_array(b):
+        return None  # the array half and the static half of one leaf
+    if type(a) is not type(b):
+        where = f"'{path}'" if path else "the root"
+        return f"{where} is a {type(a).__name__} in one and a {type(b).__name__} in the other"
+    if isinstance(a, eqx.Module):
+        pairs = [(f.name, f.metadata.get("static", False)) for f in dataclasses.fields(a)]
+        for name, static in pairs:
+            x, y = getattr(a, name, None), getattr(b, name, None)
+            where = f"{path}.{name}" if path else name
+            if static and not (x is y or _equal(x, y)):
+                what = (
+                    f"another {type(x).__name__} object"
+                    if type(x) is type(y)
+                    else f"{_short(x)} vs {_short(y)}"
+                )
+                return f"the static field '{where}' differs ({what})"
+            found = None if static else _first_difference(x, y, where)
+            if found:
+                return found
+        return None
+    if isinstance(a, dict | list | tuple):
+        keys_a = list(a) if isinstance(a, dict) else list(range(len(a)))
+        keys_b = list(b) if isinstance(b, dict) else list(range(len(b)))
+        if keys_a != keys_b:
+            return f"'{path}' has keys {_short(keys_a)} in one and {_short(keys_b)} in the other"
+        for key in keys_a:
+            found = _first_difference(a[key], b[key], f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    return None
+
+
+def _equal(x: Any, y: Any) -> bool:
+    try:
+        return bool(x == y)
+    except Exception:  # an array-valued or failing __eq__: not the same object, so different
+        return False
+
+
+def _short(x: Any, limit: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _same_leaves(a: PyTree, b: PyTree) -> bool:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,6 +68,36 @@ def test_inspect_of_a_checkpoint_directory_lists_its_steps(tmp_path, capsys):
     out = capsys.readouterr().out
     steps = [line.split()[1] for line in out.splitlines() if line.strip().startswith("step")]
     assert steps == ["2", "10", "20"]
+
+
+def _directory_with_metrics(tmp_path):
+    with CheckpointManager(tmp_path, keep_latest=5) as manager:
+        for step, loss in ((1, 0.5), (2, 0.25), (3, 0.4)):
+            manager.save(step, _tree(), metrics={"loss": loss})
+    return str(tmp_path)
+
+
+def test_inspect_of_a_directory_shows_metrics_and_marks_the_lowest_as_best(tmp_path, capsys):
+    assert main(["inspect", _directory_with_metrics(tmp_path)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["step", "1", "file", "checkpoint_1.safetensors", "loss=0.5"] in lines
+    assert ["*", "step", "2", "file", "checkpoint_2.safetensors", "loss=0.25"] in lines
+    assert ["*", "best", "by", "'loss'", "(min):", "step", "2"] in lines
+
+
+def test_inspect_of_a_directory_ranks_by_best_metric_and_mode(tmp_path, capsys):
+    path = _directory_with_metrics(tmp_path)
+    assert main(["inspect", path, "--best-metric", "loss", "--mode", "max"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["*", "step", "1", "file", "checkpoint_1.safetensors", "loss=0.5"] in lines
+    assert ["*", "best", "by", "'loss'", "(max):", "step", "1"] in lines
+
+
+def test_inspect_shows_a_typed_keys_implementation(tmp_path, capsys):
+    path = save_checkpoint(tmp_path, {"rng": jax.random.key(0, impl="rbg")}, 1)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "typed PRNG keys:\n  rng  rbg\n" in out
 
 
 def test_verify_passes_good_checkpoints(layout, capsys):

@@ -247,3 +247,54 @@ def test_a_subclass_may_have_an_apply_fn_field():
 
     state = FlaxLike.create(model=_params(jax.random.key(0)), tx=optax.sgd(0.1), apply_fn=_loss)
     assert state.apply_fn is _loss
+
+
+def _mlp():
+    return eqx.nn.MLP(2, 2, 4, 2, key=jax.random.key(0))
+
+
+def _ones_grads(model):
+    return jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_array))
+
+
+def test_a_filter_spec_built_with_tree_at_freezes_exactly_its_false_leaves():
+    model = _mlp()
+    spec = eqx.tree_at(lambda m: m.layers[0], jax.tree.map(lambda _: True, model), False)
+    state = TrainState.create(model=model, tx=optax.sgd(0.1), trainable=spec)
+    new = state.apply_gradients(grads=_ones_grads(model))
+    assert_trees_equal(new.model.layers[0], model.layers[0])
+    assert not np.allclose(new.model.layers[1].weight, model.layers[1].weight)
+
+
+def test_frozen_leaves_get_no_optimiser_state():
+    model = _mlp()
+    spec = eqx.tree_at(lambda m: m.layers[0], jax.tree.map(lambda _: True, model), False)
+    state = TrainState.create(model=model, tx=optax.adam(0.1), trainable=spec)
+    adam = state.opt_state[0]
+    assert adam.mu.layers[0].weight is None and adam.nu.layers[0].bias is None
+    assert adam.mu.layers[1].weight.shape == model.layers[1].weight.shape
+    new = state.apply_gradients(grads=_ones_grads(model))
+    assert new.opt_state[0].mu.layers[0].weight is None
+
+
+def test_a_filter_spec_prefix_may_hold_filter_functions():
+    params = _params(jax.random.key(0))
+    spec = {"dense": False, "out": lambda leaf: leaf.ndim == 2}  # train out's kernel only
+    state = TrainState.create(model=params, tx=optax.sgd(1.0), trainable=spec)
+    new = state.apply_gradients(grads=jax.grad(_loss)(params, jnp.ones((2, 3))))
+    assert_trees_equal(new.model["dense"], params["dense"])
+    assert_trees_equal(new.model["out"]["bias"], params["out"]["bias"])
+    assert not np.allclose(new.model["out"]["kernel"], params["out"]["kernel"])
+
+
+def test_a_filter_spec_that_is_not_a_prefix_of_the_model_is_refused():
+    with pytest.raises(ValueError, match="filter_spec `trainable` is not a prefix of `model`"):
+        TrainState.create(model=_params(jax.random.key(0)), tx=optax.sgd(1.0), trainable=[True])
+
+
+def test_apply_gradients_with_an_opt_state_for_another_model_names_opt_state():
+    model = _mlp()
+    state = TrainState.create(model=model, tx=optax.adam(1e-3))
+    wider = eqx.tree_at(lambda m: m.layers[0], model, eqx.nn.Sequential([model.layers[0]]))
+    with pytest.raises(ValueError, match=r"`opt_state` is not what `tx` makes .*eqx.tree_at"):
+        state.replace(model=wider).apply_gradients(grads=_ones_grads(wider))

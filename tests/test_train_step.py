@@ -167,3 +167,13 @@ def test_whole_train_state_goes_replicate_filter_pmap_unreplicate():
     assert type(state) is TrainState and int(state.step) == 3
     assert state.model.activation is jax.nn.gelu and state.tx is TX
     assert_trees_equal(state, eqx.combine(eqx_train.unreplicate(arrays), static))
+
+
+def test_jit_step_on_a_state_with_another_tx_names_tx():
+    model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
+    running = TrainState.create(model=model, tx=optax.adam(1e-3))
+    restored = TrainState.create(model=model, tx=optax.adam(1e-3))  # another adam
+    static = eqx.partition(running, eqx.is_array)[1]
+    step = jit_step(lambda s: s.replace(step=s.step + 1), static, donate=False)
+    with pytest.raises(ValueError, match=r"static field 'tx' differs.*build the optimiser once"):
+        step(eqx.partition(restored, eqx.is_array)[0])

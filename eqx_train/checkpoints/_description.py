@@ -32,7 +32,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
+from .._tree import is_state, path_to_name, state_entries
 from ._errors import short
 from ._names import RESERVED_TENSOR_NAMES
 
@@ -166,6 +166,35 @@ def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
     return fill
 
 
+def weak_like(leaf: Any, restored: Any) -> Any:
+    """`restored` with the weak type of the target `leaf`: a `jax.Array` made from a Python
+    number (`eqx.nn.BatchNorm`'s batch counter, `jnp.array(0)`) is weakly typed, and a
+    strongly typed copy would promote what it meets (`momentum ** counter` turning bfloat16
+    into float32) and retrace every jitted function it is passed to."""
+    if getattr(leaf, "weak_type", False) and isinstance(restored, jax.Array):
+        return as_weak(restored)
+    return restored
+
+
+def as_weak(array: Any) -> Any:
+    """`array` (a `jax.Array`) weakly typed, with its dtype, values and sharding. JAX has no
+    public call for this; its `jax.numpy` functions use the one below."""
+    try:
+        from jax._src.lax import lax as _lax  # no public equivalent (JAX 0.4.16 to 0.10)
+
+        return _lax._convert_element_type(array, array.dtype, weak_type=True)
+    except (ImportError, AttributeError, TypeError):  # a JAX that moved it: the public way
+        if array.ndim != 0:
+            return array
+        weak = jax.device_put(jnp.asarray(array.item()), array.sharding)  # a Python number
+        return weak if weak.dtype == array.dtype else array
+
+
+def _rebuild_array(array: np.ndarray, entry: dict[str, Any]) -> Any:
+    """A file's array as saved: NumPy, or a weakly typed `jax.Array` when it was one."""
+    return as_weak(jnp.asarray(array)) if entry.get("weak_type") else array
+
+
 LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind(
         "prng_key",
@@ -178,8 +207,8 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
         "array",
         lambda x: isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct),
         lambda x: x,
-        lambda a, entry: a,
-        lambda leaf, a: a if isinstance(leaf, np.ndarray) else _place(a, leaf),
+        _rebuild_array,
+        lambda leaf, a: a if isinstance(leaf, np.ndarray) else weak_like(leaf, _place(a, leaf)),
     ),
     LeafKind(
         "numpy_scalar",
@@ -228,7 +257,10 @@ def kind_of(leaf: Any) -> LeafKind | None:
 
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
     """One level of flattening as [(key, child)]; None when `node` is a leaf. Empty
-    containers ({}, [], an optax EmptyState) are nodes with no children, not leaves."""
+    containers ({}, [], an optax EmptyState) are nodes with no children, not leaves. An
+    `eqx.nn.State`'s entries are keyed by their `StateIndex` markers, not by position."""
+    if is_state(node):
+        return state_entries(node)
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return None
@@ -289,6 +321,8 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
         entry: dict[str, Any] = {"tensor": name, "kind": kind.name}
         if kind.name == "prng_key":
             entry["impl"] = str(jax.random.key_impl(leaf))
+        if getattr(data, "weak_type", False):
+            entry["weak_type"] = True
         return entry
 
     def visit(node: Any, keys: tuple[Any, ...]) -> Any:
@@ -368,8 +402,11 @@ def validate_description(description: Any, arrays: Arrays, bad: Callable[[str], 
             kind_name = node.get("kind", "array")
             name = node.get("tensor")
             kind = KIND_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
-            extra = set(node) - {"tensor", "kind", "impl"}
-            if not isinstance(name, str) or kind is None or extra:
+            extra = set(node) - {"tensor", "kind", "impl", "weak_type"}
+            weak = node.get("weak_type", True) is not True or (
+                "weak_type" in node and kind_name != "array"
+            )
+            if not isinstance(name, str) or kind is None or extra or weak:
                 raise bad(f"the tree description has an invalid tensor entry {short(node)}")
             if (kind.name == "prng_key") != isinstance(node.get("impl"), str):
                 raise bad(f"the tree description has an invalid tensor entry {short(node)}")
@@ -424,6 +461,23 @@ def validate_description(description: Any, arrays: Arrays, bad: Callable[[str], 
     unnamed = set(arrays) - named
     if unnamed:
         raise bad(f"the file has tensors the tree does not name: {short(sorted(unnamed)[:5])}")
+
+
+def key_impls(description: Any) -> dict[str, str]:
+    """The implementation (`threefry2x32`, `rbg`, ...) of every typed PRNG key a (validated)
+    description records, by tensor name."""
+    found: dict[str, str] = {}
+    stack = [description]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("kind") == "prng_key":
+                found[node["tensor"]] = node["impl"]
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 _EMPTY_CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}

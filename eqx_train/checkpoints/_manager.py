@@ -541,6 +541,12 @@ class CheckpointManager:
         )
 
     def _restore_best(self, target: T, options: dict[str, Any]) -> T:
+        if not self.best_metric:
+            raise ValueError(
+                "CheckpointManager.restore(step='best') needs best_metric, the metric that "
+                "ranks checkpoints: CheckpointManager(directory, best_metric='val_loss') "
+                "(and mode='max' when higher is better)."
+            )
         for attempt in range(RESTORE_ATTEMPTS):
             best = self._ranking.best(self._listing, best_metric=self.best_metric, mode=self.mode)
             if best is None:

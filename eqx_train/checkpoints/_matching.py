@@ -26,9 +26,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
 from . import _selection
-from ._description import LeafKind, key_impl, kind_of
+from ._description import LeafKind, key_impl, key_impls, kind_of
+from ._leaf_names import leaf_names
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
 CASTINGS: tuple[Casting, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
@@ -107,20 +107,7 @@ def cast_on_host(array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
 
 def saved_key_impls(reader: Any) -> dict[str, str]:
     """The implementation of every typed PRNG key the file's tree records, by tensor name."""
-    if not reader.has_description:
-        return {}
-    found: dict[str, str] = {}
-    stack = [reader.description()]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("kind") == "prng_key":
-                found[node["tensor"]] = node["impl"]
-            else:
-                stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return found
+    return key_impls(reader.description()) if reader.has_description else {}
 
 
 @dataclass(frozen=True)
@@ -187,6 +174,7 @@ def match(
     available = reader.arrays()
     saved_keys = saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
+    names = leaf_names(target, available, reader.path, caller)  # eqx.nn.State: by marker
     found = Match([leaf for _, leaf in pairs], treedef)
     chosen = _selection.selected(target, filter_spec)
     shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
@@ -197,7 +185,7 @@ def match(
         kind = kind_of(leaf)
         if kind is None:
             continue  # not data: kept from the target
-        name = path_to_name(key_path)
+        name = names[index]
         source, prefix = source_of(name, rename, caller)
         if prefix is not None:
             prefixes_matched.add(prefix)
@@ -227,6 +215,13 @@ def match(
                 found.missing.append(name)
             continue
         used.add(source)
+        # Before the shape: an rbg key's data is (4,), a threefry key's (2,).
+        impl = str(key_impl(leaf)) if kind.name == "prng_key" else None
+        if impl is not None and saved_keys.get(source, impl) != impl:
+            found.problems.append(
+                f"{label}: file has a {saved_keys[source]} PRNG key, target expects {impl}"
+            )
+            continue
         file_shape, file_dtype = available[source]
         if dtype is not None:
             shared_arrays.append((file_shape, file_dtype, shape, dtype))
@@ -241,12 +236,6 @@ def match(
                 f"{label}: file has {_describe(file_shape, file_dtype)}, target expects "
                 f"{expectation}"
                 + _why_not_cast(kind, file_shape == shape and cast, file_dtype, dtype, casting)
-            )
-            continue
-        impl = str(key_impl(leaf)) if kind.name == "prng_key" else None
-        if impl is not None and saved_keys.get(source, impl) != impl:
-            found.problems.append(
-                f"{label}: file has a {saved_keys[source]} PRNG key, target expects {impl}"
             )
             continue
         slot = Slot(index, name, source, kind, dtype if cast else None)

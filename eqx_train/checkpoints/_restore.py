@@ -28,7 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from . import _directory, _matching, _names, _selection
-from ._description import LeafKind, rebuild
+from ._description import LeafKind, rebuild, weak_like
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
@@ -342,9 +342,8 @@ def restore_from(
                 leaves[slot.index] = leaf
     for slot in found.slots:
         if slot.saved not in whole:
-            leaves[slot.index] = _read_blockwise(
-                reader, slot.saved, leaves[slot.index], verify, slot.cast
-            )
+            read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
+            leaves[slot.index] = weak_like(leaves[slot.index], read)
     # Python scalars: a few bytes each, read outside the window.
     config_arrays = reader.read_many(
         list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel

@@ -5,6 +5,7 @@ configuration (the target's value wins), and the hint for a file saved replicate
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -125,7 +126,7 @@ def warn_config(path: str, differences: list[str], caller: str) -> None:
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),
-        stacklevel=6,  # the caller of restore_checkpoint
+        stacklevel=_user_stacklevel(sys._getframe()),
     )
 
 
@@ -148,3 +149,17 @@ def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any
         "saved replicated? Call eqx_train.unreplicate before saving, or restore into a "
         "replicated target (eqx_train.replicate(target))."
     )
+
+
+def _user_stacklevel(warning_frame: Any) -> int:
+    """The `stacklevel` of the first frame outside eqx_train, seen from `warning_frame` (of
+    the function that calls `warnings.warn`): the user's line, whichever public function
+    (restore_checkpoint, CheckpointManager.restore, an interop loader) the restore went
+    through. Run-time type checkers' wrappers (jaxtyping, beartype) are skipped too."""
+    frame, level = warning_frame.f_back, 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OUR_FRAMES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_OUR_FRAMES = ("eqx_train.", "jaxtyping", "beartype")

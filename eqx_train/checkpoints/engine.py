@@ -12,6 +12,7 @@ from ._description import (
     Tensor as Tensor,
     describe as describe,
     is_prng_key as is_prng_key,
+    key_impls as key_impls,
     parse_json as parse_json,
 )
 from ._directory import (
