@@ -12,6 +12,7 @@ import pytest
 from eqx_train.checkpoints import (
     CheckpointManager,
     ConfigMismatchWarning,
+    PartialRestoreWarning,
     restore_checkpoint,
     save_checkpoint,
 )
@@ -141,7 +142,9 @@ def test_strict_false_keeps_each_layers_statistics_with_its_layer(tmp_path):
     model, state = _state_of("old")
     save_checkpoint(tmp_path, {"bn_state": state}, 1)
     grown_model, grown = _state_of("new", "old")
-    restored = restore_checkpoint(tmp_path, {"bn_state": grown}, strict=False)["bn_state"]
+    # The new layer's entries are the ones the warning names as kept.
+    with pytest.warns(PartialRestoreWarning, match=r"Model\.new"):
+        restored = restore_checkpoint(tmp_path, {"bn_state": grown}, strict=False)["bn_state"]
     old_mean, _ = restored.get(grown_model.old.batch_state_index)
     new_mean, _ = restored.get(grown_model.new.batch_state_index)
     assert_trees_equal(old_mean, state.get(model.old.batch_state_index)[0])  # 10, saved

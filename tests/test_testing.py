@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, Phase, find, given, settings, strategies as 
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints import _description
 from eqx_train.testing import (
-    _laws,
     assert_checkpoint_roundtrip,
     assert_resumes_exactly,
     assert_trees_equal,
@@ -215,9 +214,8 @@ def test_checkpoint_roundtrip_checks_the_saved_leaves_by_name(monkeypatch):
         assert_checkpoint_roundtrip(_every_kind())
 
 
-def test_checkpoint_roundtrip_compares_weak_types_when_the_restore_keeps_them(monkeypatch):
-    # The rule: weak types are compared exactly when the probe finds that this eqx_train's
-    # restore keeps them. Planted: a restore that makes every float array strongly typed.
+def test_checkpoint_roundtrip_fails_on_a_restore_that_loses_the_weak_type(monkeypatch):
+    # Planted: a restore that makes every weakly typed array strongly typed.
     restore = checkpoints.restore_checkpoint
 
     def strengthening(path, target, **options):
@@ -226,11 +224,9 @@ def test_checkpoint_roundtrip_compares_weak_types_when_the_restore_keeps_them(mo
             restore(path, target, **options),
         )
 
-    monkeypatch.setattr(checkpoints, "restore_checkpoint", strengthening)
     tree = {"lr": jnp.asarray(0.1)}
-    monkeypatch.setattr(_laws, "restore_keeps_weak_type", lambda: False)
     assert_checkpoint_roundtrip(tree)
-    monkeypatch.setattr(_laws, "restore_keeps_weak_type", lambda: True)
+    monkeypatch.setattr(checkpoints, "restore_checkpoint", strengthening)
     with pytest.raises(AssertionError, match=r"\['lr'\]: weak type differs"):
         assert_checkpoint_roundtrip(tree)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import struct
 import tempfile
@@ -17,21 +16,10 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import checkpoints
-from .._tree import path_to_name
+from .._tree import flatten_with_names, path_to_name
 from ._compare import difference_message, is_node, show
 
 __all__ = ["assert_checkpoint_roundtrip", "assert_resumes_exactly"]
-
-
-@functools.cache
-def restore_keeps_weak_type() -> bool:
-    """Whether this eqx_train's restore gives a weakly typed `jax.Array` leaf back weakly
-    typed: probed once per process by a round trip of `jnp.asarray(1.0)`. The laws compare
-    weak types only when it does (see `assert_checkpoint_roundtrip`)."""
-    probe = {"x": jnp.asarray(1.0)}  # a Python float made an array: weakly typed
-    with tempfile.TemporaryDirectory() as directory:
-        path = checkpoints.save_checkpoint(directory, probe, 0)
-        return bool(checkpoints.restore_checkpoint(path, probe)["x"].weak_type)
 
 
 @contextlib.contextmanager
@@ -83,8 +71,9 @@ def _saved_form(leaf: Any) -> tuple[Any, ...] | None:
 
 
 def _saved_leaves(tree: Any) -> dict[str, tuple[Any, Any]]:
-    """Dotted tensor name -> (leaf, saved form) for every leaf a checkpoint keeps."""
-    pairs = jtu.tree_flatten_with_path(tree)[0]
+    """Dotted tensor name -> (leaf, saved form) for every leaf a checkpoint keeps, named as
+    the checkpoint names it (an `eqx.nn.State`'s entries by their markers)."""
+    pairs = flatten_with_names(tree)
     return {
         path_to_name(path): (leaf, form)
         for path, leaf in pairs
@@ -133,16 +122,10 @@ def assert_checkpoint_roundtrip(
     1. restores it into `tree` and asserts the result equals `tree` as
        `assert_trees_equal` compares them: structure, leaf kinds, dtypes, shapes,
        shardings, bits, the Python configuration of Equinox modules, and weak types
-       (see below);
+       (a restore returns leaves jitted code cannot tell from the target's);
     2. restores it with `target=None` and asserts that every saved leaf comes back under
        the same dotted name with the same dtype, shape and bits (typed keys: the same
        implementation and key data), and that nothing else does.
-
-    **Weak types** (the rule, until every supported eqx_train version keeps them): the weak
-    type of `jax.Array` leaves is compared when this eqx_train's restore keeps weak types,
-    which is probed once per process by round-tripping `jnp.asarray(1.0)`. When the probe's
-    restore comes back strongly typed, weak types are not compared (every other property
-    still is).
 
     **Arguments:**
 
@@ -187,7 +170,6 @@ def assert_checkpoint_roundtrip(
     message = difference_message(
         restored,
         tree,
-        weak_type=restore_keeps_weak_type(),
         names=("restored", "saved"),
     )
     if message is not None:
@@ -298,11 +280,10 @@ def assert_resumes_exactly(
             f"assert_resumes_exactly: split_at={split_at} is outside 0..{len(batches)} (the "
             "number of batches)."
         )
-    weak_type = restore_keeps_weak_type()
     straight, resumed = _copy(state), _copy(state)
 
     def check(a: Any, b: Any, where: str, what: str) -> None:
-        message = difference_message(a, b, weak_type=weak_type, names=("uninterrupted", "resumed"))
+        message = difference_message(a, b, names=("uninterrupted", "resumed"))
         if message is not None:
             raise AssertionError(f"assert_resumes_exactly: {where}: {what}: {message}")
 
@@ -311,9 +292,7 @@ def assert_resumes_exactly(
             if i == split_at:
                 path = _save(where, resumed, {})
                 restored = checkpoints.restore_checkpoint(path, state)
-                message = difference_message(
-                    restored, resumed, weak_type=weak_type, names=("restored", "saved")
-                )
+                message = difference_message(restored, resumed, names=("restored", "saved"))
                 if message is not None:
                     raise AssertionError(
                         f"assert_resumes_exactly: the state restored from {path} after "
