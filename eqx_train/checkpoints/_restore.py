@@ -28,7 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from .._tree import path_to_name
-from . import _directory, _names, _selection
+from . import _directory, _names, _read_once, _selection
 from ._description import LeafKind, kind_of, rebuild
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
@@ -191,6 +191,7 @@ def restore_entry(
     config: _selection.Config = "target",
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+    replica_parallel: bool = True,
 ) -> T:
     """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
     directly) into `target`. Raises `FileNotFoundError` if
@@ -205,6 +206,7 @@ def restore_entry(
             config=config,
             filter_spec=filter_spec,
             host_window_bytes=host_window_bytes,
+            replica_parallel=replica_parallel,
         )
 
 
@@ -273,6 +275,7 @@ def restore_from(
     config: _selection.Config = "target",
     filter_spec: Any = None,
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+    replica_parallel: bool = True,
 ) -> Any:
     """The matcher: `target` filled from `reader` (or, for `target=None`, the tree as saved).
 
@@ -284,7 +287,8 @@ def restore_from(
     block by device block for a sharded target (`_blockwise`). `caller` names the public
     function in errors. `filter_spec` leaves out leaves (kept from the target); with
     `config="target"` the Python scalars of Equinox modules are compared, not taken
-    (`_selection`).
+    (`_selection`). With `replica_parallel`, a block the target places on several
+    processes is read once across them (`_read_once`).
     """
     if target is None:
         if not reader.has_description:
@@ -386,8 +390,12 @@ def restore_from(
             # them asynchronously; a CPU device adopts them).
             if isinstance(leaves[index], jax.Array):
                 leaves[index].block_until_ready()
+    blockwise = [(name, leaves[index]) for index, name, _ in slots if name not in whole]
+    once = _read_once.place(reader, blockwise, verify) if replica_parallel else {}
     for index, name, _ in slots:
-        if name not in whole:
+        if name in once:
+            leaves[index] = once[name]
+        elif name not in whole:
             leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
     # Python scalars: a few bytes each, read outside the window.
     config_arrays = reader.read_many(
