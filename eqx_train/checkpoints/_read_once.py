@@ -15,12 +15,16 @@ their reads succeeded before any of them enters the collective, so that a corrup
 missing piece seen by one process fails the restore on all of them (with the same kind
 of error: a `CheckpointFormatError`, or `FileNotFoundError` for a checkpoint replaced
 meanwhile, which every process then retries) instead of leaving the others waiting.
+A process that restores alone (its peers elsewhere, or dead) waits `TIMEOUT_S` for them,
+then reads block by block as before, with a warning: the exchange fails on every process
+or on none, so no process enters the collective without the others.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +42,9 @@ from . import _coordination, _shards
 from ._errors import CheckpointFormatError
 
 CALLER = "restore_checkpoint"
-TIMEOUT_S = 300.0
+# How long a process waits for its peers before reading alone; a process arriving later
+# finds the exchange failed and reads alone too.
+TIMEOUT_S = 60.0
 
 
 def _spanning_axes(mesh: Any) -> set[str]:
@@ -101,7 +107,7 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
     **Raises:**
 
     On every process when any process's reads failed (see the module docstring);
-    `BarrierTimeoutError` if a process never arrived (it failed earlier, alone).
+    Warns, and leaves every leaf to the caller, when a peer did not arrive in `TIMEOUT_S`.
     """
     chosen = [(n, leaf, s) for n, leaf in leaves if (s := staging_sharding(leaf)) is not None]
     if not chosen:
@@ -117,12 +123,23 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
         kind = "gone" if isinstance(error, FileNotFoundError) else "other"
         kind = "format" if isinstance(error, CheckpointFormatError) else kind
         status = {"kind": kind, "error": f"{type(error).__name__}: {error}"[:2000]}
-    reports = [
-        json.loads(r)
-        for r in _coordination.gather(op, json.dumps(status), timeout_s=TIMEOUT_S, caller=CALLER)
-    ]
+    try:
+        answers = _coordination.gather(op, json.dumps(status), timeout_s=TIMEOUT_S, caller=CALLER)
+    except _coordination.BarrierTimeoutError as error:
+        if failure is not None:
+            raise failure from None
+        for array in staged:
+            array.delete()
+        warnings.warn(
+            f"{error} So each process read every block its devices hold from {reader.path}, "
+            "instead of its share. A process restoring without its peers can say "
+            "replica_parallel=False to skip the wait.",
+            stacklevel=4,
+        )
+        return {}
     if failure is not None:
         raise failure
+    reports = [json.loads(r) for r in answers]
     failed = [(i, r) for i, r in enumerate(reports) if not r.get("ok")]
     if failed:
         i, report = failed[0]
