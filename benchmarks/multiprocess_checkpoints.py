@@ -164,13 +164,22 @@ def run_replicated(
     try:
         processes = [
             subprocess.Popen(
-                [sys.executable, __file__, "--replicated-worker", str(i), str(count), port,
-                 str(mib), str(repeats), url, str(int(replica_parallel))],
+                [
+                    sys.executable,
+                    __file__,
+                    "--replicated-worker",
+                    str(i),
+                    str(count),
+                    port,
+                    str(mib),
+                    str(repeats),
+                    url,
+                    str(int(replica_parallel)),
+                ],
                 stdout=subprocess.PIPE,
                 text=True,
-                env={**os.environ, **server.env, "AWS_ENDPOINT_URL": proxy.url,
-                     "PYTHONPATH": ROOT},
-            )  # fmt: skip
+                env={**os.environ, **server.env, "AWS_ENDPOINT_URL": proxy.url, "PYTHONPATH": ROOT},
+            )
             for i, proxy in enumerate(proxies)
         ]
         outputs = [p.communicate(timeout=1800)[0] for p in processes]

@@ -312,8 +312,9 @@ def save_checkpoint_multiprocess(
 
     Each process writes only the shards it holds into its own safetensors file, so no
     array is ever gathered; a block replicated on several processes is cut into one run
-    per process and each writes its own run (see [Multi-host training](../multi_host.md)). Host-local leaves (NumPy arrays, scalars, fully addressable
-    arrays) are written by process 0. When every process's file is durable, process 0 writes
+    per process and each writes its own run (see [Multi-host training](../multi_host.md)).
+    Host-local leaves (NumPy arrays, scalars, fully addressable arrays) are written by
+    process 0. When every process's file is durable, process 0 writes
     the index (global shapes, dtypes, which file holds which slice, the tree description,
     checksums): that write is the commit. Then it applies retention. A process dying
     mid-save leaves the previous checkpoint as the latest; the others raise

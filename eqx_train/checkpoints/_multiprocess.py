@@ -288,8 +288,12 @@ def _replica_zero_blocks(
     array: jax.Array, shape: tuple[int, ...], process: int, owned: bool
 ) -> list[_Run]:
     return [
-        ([list(b) for b in _bounds(shard.index, shape)], lambda d=shard.data: np.asarray(d),
-         shard.data, owned)  # fmt: skip
+        (
+            [list(b) for b in _bounds(shard.index, shape)],
+            lambda d=shard.data: np.asarray(d),
+            shard.data,
+            owned,
+        )
         for shard in array.addressable_shards
         if shard.replica_id == 0
     ]
