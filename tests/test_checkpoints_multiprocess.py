@@ -250,3 +250,29 @@ def test_four_processes_split_every_replica_and_restore_onto_two_and_one(tmp_pat
     assert _read(two) == [(REPLICATED + PART) // 2 + HOST_LOCAL] * 2
     one = _run_job("rp_restore", 1, shards, 5)
     assert _read(one) == [REPLICATED + PART + HOST_LOCAL]
+
+
+def test_a_capped_proxy_holds_its_rate_and_counts_every_byte_each_way(s3_server, s3_bucket):
+    """The benchmark's host link: 256 KiB up and back down at 1 MiB/s take at least 0.25 s
+    each way, and the counters hold the bodies plus no more than the requests' heads."""
+    import time
+
+    import s3fs
+
+    from tests.fault_proxy import FaultProxy
+
+    body = os.urandom(256 << 10)
+    with FaultProxy(s3_server.endpoint_url, rate_bytes_per_s=1 << 20) as proxy:
+        options = {**s3_server.storage_options}
+        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": proxy.url}
+        s3 = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        key = f"{s3_bucket.split('://')[1]}/capped"
+        start = time.perf_counter()
+        s3.pipe_file(key, body)
+        up_s, up = time.perf_counter() - start, proxy.bytes_up
+        start = time.perf_counter()
+        assert s3.cat_file(key) == body
+        down_s, down = time.perf_counter() - start, proxy.bytes_down
+    assert up_s >= 0.25 and down_s >= 0.25, (up_s, down_s)
+    assert len(body) <= up <= len(body) + (32 << 10), up
+    assert len(body) <= down <= len(body) + (32 << 10), down
