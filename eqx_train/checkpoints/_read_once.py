@@ -104,10 +104,16 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
     """The target leaves (name, leaf) that a read-once restore places, read and assembled
     in their target shardings; the others are left out (read block by block by the caller).
 
+    **Returns:**
+
+    The placed arrays by name; `{}` (with a warning) when a peer did not arrive within
+    `TIMEOUT_S`, so that the caller reads every leaf block by block.
+
     **Raises:**
 
-    On every process when any process's reads failed (see the module docstring);
-    Warns, and leaves every leaf to the caller, when a peer did not arrive in `TIMEOUT_S`.
+    On the process whose reads failed, its own error; on the others, naming that process,
+    `CheckpointFormatError` (a corrupt piece), `FileNotFoundError` (the checkpoint was
+    replaced meanwhile: the caller looks again) or `RuntimeError`.
     """
     chosen = [(n, leaf, s) for n, leaf in leaves if (s := staging_sharding(leaf)) is not None]
     if not chosen:
