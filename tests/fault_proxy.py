@@ -17,6 +17,12 @@ Rules are tried in order on each request; a matching rule with uses left decides
 - `slow`: forward and answer, but only after `delay_s` (a store that answers slowly but
   steadily: each request alone is well within the client's timeouts).
 
+With `rate_bytes_per_s`, the proxy is also a host's network link: requests (up) and answers
+(down) each pass at most that many bytes a second, all connections together, as through
+one full-duplex link; `bytes_up` and `bytes_down` count every byte that went through
+(heads and bodies), so a benchmark can put one proxy in front of each process and read
+exactly what each sent and fetched.
+
 Loopback only, and bounded: the listener binds 127.0.0.1, every socket has a timeout, a
 stalled connection is released after `max_stall_s` at the latest, and `close()` ends every
 thread it started.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,10 +57,45 @@ class _Rule:
     delay_s: float = 0.0
 
 
+class _Link:
+    """One direction of a link of `rate` bytes a second, shared by every connection: each
+    chunk waits until the chunks before it would have passed at that rate."""
+
+    def __init__(self, rate: float | None, closing: threading.Event):
+        self.rate = rate
+        self.total = 0
+        self._closing = closing
+        self._lock = threading.Lock()
+        self._free_at = time.monotonic()
+
+    def send(self, sock: socket.socket, data: bytes, chunk: int = 128 << 10) -> None:
+        for start in range(0, len(data), chunk):
+            piece = data[start : start + chunk]
+            if self.rate is not None:
+                with self._lock:
+                    now = time.monotonic()
+                    # A sleep that overran (a busy machine) is made up by the next chunks,
+                    # up to a 50 ms burst, so the average rate holds.
+                    self._free_at = max(now - 0.05, self._free_at) + len(piece) / self.rate
+                    wait = self._free_at - now
+                if self._closing.wait(wait):
+                    raise OSError("the proxy is closing")
+            sock.sendall(piece)
+            with self._lock:
+                self.total += len(piece)
+
+
 class FaultProxy:
     """A loopback proxy to `target` (`http://127.0.0.1:PORT`); a context manager."""
 
-    def __init__(self, target: str, *, max_stall_s: float = 60.0, io_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_stall_s: float = 60.0,
+        io_timeout_s: float = 60.0,
+        rate_bytes_per_s: float | None = None,
+    ):
         parsed = urllib.parse.urlsplit(target)
         if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.scheme != "http":
             raise ValueError(f"FaultProxy only fronts a plain-http loopback server, got {target}")
@@ -65,12 +107,24 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._released = threading.Event()
         self._closing = threading.Event()
+        self._up = _Link(rate_bytes_per_s, self._closing)
+        self._down = _Link(rate_bytes_per_s, self._closing)
         self._threads: list[threading.Thread] = []
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._start(self._accept_loop)
+
+    @property
+    def bytes_up(self) -> int:
+        """Bytes forwarded to the server so far (request heads and bodies)."""
+        return self._up.total
+
+    @property
+    def bytes_down(self) -> int:
+        """Bytes sent back to clients so far (answer heads and bodies)."""
+        return self._down.total
 
     # ---------------------------------------------------------------------------- faults
 
@@ -186,7 +240,7 @@ class FaultProxy:
                 if upstream is None:
                     upstream = self._track(socket.create_connection(self.target))
                     upstream_reader = upstream.makefile("rb")
-                upstream.sendall(raw_head + body)
+                self._up.send(upstream, raw_head + body)
                 answer = _read_head(upstream_reader)
                 if answer is None:
                     return
@@ -195,7 +249,7 @@ class FaultProxy:
                                          status=int(status_line.split(" ", 2)[1]))  # fmt: skip
                 if fate == "drop_response":
                     return  # the server did the work; the client never hears of it
-                client.sendall(raw_answer + answer_body)
+                self._down.send(client, raw_answer + answer_body)
                 if answer_headers.get("connection", "").lower() == "close":
                     return
         except (OSError, ValueError):

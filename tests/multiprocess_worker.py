@@ -16,7 +16,8 @@ mode, pid, count, port, directory = (
     sys.argv[5],
 )
 other = sys.argv[6] if len(sys.argv) > 6 else None
-local_devices = 8 if count == 1 else 2
+# The replica-parallel modes ("rp_..."): one device per process, as one host per process.
+local_devices = 1 if mode.startswith("rp_") else 8 if count == 1 else 2
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -24,6 +25,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+if mode.startswith("rp_"):  # the read-once restore's all-gather runs over gloo
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # a JAX without the option, where gloo is the only choice
+        pass
 if count > 1:
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
@@ -60,6 +66,86 @@ def check(tree, step):
 
 
 mesh_1d = Mesh(np.array(jax.devices()), ("d",))
+
+
+def rp_values(step):
+    """Independent of the process count: what every replica-parallel mode saves."""
+    import ml_dtypes
+
+    return {
+        "rep": np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step,
+        "part": (np.arange(64 * 32).reshape(64, 32) % 251 + step).astype(ml_dtypes.bfloat16),
+        "model": {"weight": np.arange(12, dtype=np.float32).reshape(3, 4) - step},
+        "host": np.arange(16, dtype=np.float32) * step,
+        "n": step,
+    }
+
+
+def rp_tree(step, shardings=None):
+    """Replicated ('rep', the model), sharded over 2 processes and replicated over the
+    others ('part'; mesh x=2 by y=count/2), host-local ('host', 'n'), on this job."""
+    import equinox as eqx
+
+    devices = np.array(jax.devices())
+    replicated = NamedSharding(Mesh(devices, ("d",)), P())
+    rows = 2 if len(devices) % 2 == 0 else 1
+    partly = NamedSharding(Mesh(devices.reshape(rows, -1), ("x", "y")), P("x"))
+    v = rp_values(step)
+
+    def place(x, sharding):
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    model = eqx.nn.Linear(4, 3, use_bias=False, key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.weight, model, place(v["model"]["weight"], replicated))
+    return {
+        "rep": place(v["rep"], replicated),
+        "part": place(v["part"], partly),
+        "model": model,
+        "host": v["host"],
+        "n": v["n"],
+    }
+
+
+def rp_check(tree, step):
+    expected = rp_values(step)
+    for got, want in [
+        (tree["rep"], expected["rep"]),
+        (tree["part"], expected["part"]),
+        (tree["model"].weight, expected["model"]["weight"]),
+    ]:
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], strict=True)
+    np.testing.assert_array_equal(tree["host"], expected["host"], strict=True)
+    assert tree["n"] == step
+
+
+def rp_restore(path, step, **options):
+    """Restores `path` onto this job's tree, checks it, and returns the tensor bytes this
+    process read from the checkpoint's piece files (what a verified read fetches)."""
+    import math
+
+    from eqx_train.checkpoints import _format
+
+    counted = [0]
+    real_fill = _format.FileReader._fill
+
+    def fill(self, info, out, verify):
+        if "process_" in self.path:
+            counted[0] += math.prod(info.shape) * info.dtype.itemsize
+        return real_fill(self, info, out, verify)
+
+    _format.FileReader._fill = fill
+    try:
+        rp_check(checkpoints.restore_checkpoint(path, rp_tree(0), **options), step)
+    finally:
+        _format.FileReader._fill = real_fill
+    return counted[0]
+
+
+# The replica-parallel option, where this code has it (not when it writes a fixture of the
+# layout before it, with PYTHONPATH naming that code).
+rp_options = {} if "RP" not in os.environ else {"replica_parallel": os.environ["RP"] == "1"}
 
 if mode == "save_restore":
     for step in (1, 2, 3):
@@ -301,6 +387,14 @@ elif mode == "desync":
     save(4, 4, timeout_s=60)
     assert checkpoints.available_steps(directory) == [4]
     check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 4)
+elif mode == "rp_save":  # save step 5, restore it at once; DIR/checkpoint_5.shards
+    checkpoints.save_checkpoint_multiprocess(directory, rp_tree(5), 5, timeout_s=60, **rp_options)
+    path = os.path.join(directory, "checkpoint_5.shards")
+    print(f"READ {pid} {rp_restore(path, 5, **rp_options)}", flush=True)
+    if other is not None:  # and again, each process reading all the blocks it holds
+        print(f"READ_ALL {pid} {rp_restore(path, 5, replica_parallel=False)}", flush=True)
+elif mode == "rp_restore":  # restore DIR (a checkpoint of step OTHER) onto this job
+    print(f"READ {pid} {rp_restore(directory, int(other), **rp_options)}", flush=True)
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
@@ -321,7 +415,17 @@ elif mode == "peer_dies":
         assert "previous checkpoint is still the latest" in str(error)
         assert "processes [1] did not arrive" in str(error), str(error)
         assert checkpoints.available_steps(directory) == [1]
-        check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 1)
+        # Restoring alone, the replicated leaf is read whole once the wait for the dead
+        # peer's share runs out (shortened here), with a warning saying so.
+        import warnings
+
+        from eqx_train.checkpoints import _read_once
+
+        _read_once.TIMEOUT_S = 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 1)
+        assert any("processes [1] did not arrive" in str(w.message) for w in caught), caught
         print(f"OK {mode} {pid}", flush=True)
         os._exit(0)  # the peer is gone: skip the distributed shutdown handshake
     raise AssertionError("save with a dead peer did not time out")

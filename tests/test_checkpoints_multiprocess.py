@@ -1,7 +1,9 @@
 """Multi-process checkpoints with real jax.distributed processes on loopback."""
 
+import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -14,7 +16,8 @@ TIMEOUT_S = 90
 
 def _run_job(mode, count, *dirs, expected_exit=None, extra_env=None):
     """Runs `count` worker processes; each must print its OK line, except the processes in
-    `expected_exit` ({process: exit code}), which must die with that code."""
+    `expected_exit` ({process: exit code}), which must die with that code. Returns each
+    process's output."""
     expected_exit = expected_exit or {}
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -32,6 +35,7 @@ def _run_job(mode, count, *dirs, expected_exit=None, extra_env=None):
             assert returncode == expected_exit[i], f"process {i}:\n{out[-3000:]}"
         else:
             assert f"OK {mode} {i}" in out, f"process {i} exited {returncode}:\n{out[-3000:]}"
+    return [out for _, out in results]
 
 
 @pytest.mark.slow
@@ -143,7 +147,7 @@ def test_pieces_that_do_not_tile_an_array_exactly_once_are_never_committed(
     real_plan = _multiprocess.plan_pieces
     checkpoints.save_checkpoint_multiprocess(tmp_path, {"x": np.zeros(4)}, 1)
 
-    def plan(tensors, process):
+    def plan(tensors, process, **options):
         (tensor,), where = tensors, {}
         planned = []
         for k, ranges in enumerate(pieces):
@@ -161,3 +165,118 @@ def test_pieces_that_do_not_tile_an_array_exactly_once_are_never_committed(
     assert checkpoints.available_steps(tmp_path) == [1]
     restored = checkpoints.restore_checkpoint(tmp_path, {"x": np.ones(4)})
     assert (restored["x"] == 0).all()
+
+
+# Replica-parallel saves and read-once restores: the worker's "rp_" modes run one device per
+# process (one host each) on the tree of `rp_tree`: 'rep' float32[64, 32] and the model's
+# float32[3, 4] weight replicated on every process, 'part' bfloat16[64, 32] sharded over 2
+# processes and replicated over the others, and host-local leaves (float32[16], an int).
+REPLICATED = 64 * 32 * 4 + 3 * 4 * 4
+PART = 64 * 32 * 2
+HOST_LOCAL = 16 * 4 + 8
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "pre_replica_parallel_2proc.shards")
+
+
+def _written(shards_dir):
+    """The tensor bytes in each process's piece file, from the safetensors headers."""
+    written = {}
+    for name in os.listdir(shards_dir):
+        match = re.fullmatch(r"process_(\d+)\..+\.safetensors", name)
+        if match:
+            with open(os.path.join(shards_dir, name), "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            written[int(match[1])] = sum(
+                end - start
+                for key, entry in header.items()
+                if key != "__metadata__"
+                for start, end in [entry["data_offsets"]]
+            )
+    return written
+
+
+def _read(outputs, label="READ"):
+    """The piece bytes each process says it read (its `label` line)."""
+    return [int(re.search(rf"^{label} \d+ (\d+)$", out, re.M)[1]) for out in outputs]
+
+
+def _arrays_table(shards_dir):
+    """The index's piece table, with the save's token taken out of the file names."""
+    with open(os.path.join(shards_dir, "index.safetensors"), "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    text = header["__metadata__"]["eqx_train.arrays"]
+    return json.loads(re.sub(r"process_(\d+)\.[^.\"]+\.safetensors", r"process_\1", text))
+
+
+def test_two_processes_each_write_and_read_half_of_a_replicated_state(tmp_path):
+    """By default each process writes half of every replicated block and, restoring, reads
+    only that half (one resharding brings the other half over gloo): bit-exact, with the
+    bytes of each piece file and of each process's reads equal to the share computed here.
+    With replica_parallel=False on restore, each reads the whole of what it holds."""
+    outputs = _run_job("rp_save", 2, tmp_path, "and_without")
+    shards = tmp_path / "checkpoint_5.shards"
+    share = (REPLICATED + PART) // 2
+    assert _written(shards) == {0: share + HOST_LOCAL, 1: share}
+    assert _read(outputs) == [share + HOST_LOCAL] * 2
+    assert _read(outputs, "READ_ALL") == [REPLICATED + PART // 2 + HOST_LOCAL] * 2
+
+
+def test_a_checkpoint_written_before_replica_parallel_saves_restores_bit_exactly(tmp_path):
+    """The fixture was written by the code before this change (process 0 wrote every
+    replicated block whole): it restores onto two processes by default, each reading the
+    whole pieces its share lies in (a verified read reads a piece whole)."""
+    shutil.copytree(FIXTURE, tmp_path / "old.shards")
+    outputs = _run_job("rp_restore", 2, tmp_path / "old.shards", 5)
+    assert _read(outputs) == [REPLICATED + PART // 2 + HOST_LOCAL] * 2
+
+
+@pytest.mark.slow
+def test_replica_parallel_false_writes_the_layout_of_before(tmp_path):
+    """Process 0 writes every replicated block whole, the others their own shards only,
+    and the index's piece table is the fixture's, file for file."""
+    _run_job("rp_save", 2, tmp_path, extra_env={"RP": "0"})
+    shards = tmp_path / "checkpoint_5.shards"
+    assert _written(shards) == {0: REPLICATED + PART // 2 + HOST_LOCAL, 1: PART // 2}
+    assert _arrays_table(shards) == _arrays_table(FIXTURE)
+
+
+@pytest.mark.slow
+def test_four_processes_split_every_replica_and_restore_onto_two_and_one(tmp_path):
+    """Replicated blocks cost each of 4 processes a quarter; a block sharded over 2 and
+    replicated over 2 costs each holder half of it (a quarter of the array). Restored onto
+    4, 2 and 1 processes bit-exactly, each process reading its share and no more."""
+    outputs = _run_job("rp_save", 4, tmp_path, "and_without")
+    shards = tmp_path / "checkpoint_5.shards"
+    share = (REPLICATED + PART) // 4
+    assert _written(shards) == {0: share + HOST_LOCAL, 1: share, 2: share, 3: share}
+    assert _read(outputs) == [share + HOST_LOCAL] * 4
+    assert _read(outputs, "READ_ALL") == [REPLICATED + PART // 2 + HOST_LOCAL] * 4
+    two = _run_job("rp_restore", 2, shards, 5)
+    assert _read(two) == [(REPLICATED + PART) // 2 + HOST_LOCAL] * 2
+    one = _run_job("rp_restore", 1, shards, 5)
+    assert _read(one) == [REPLICATED + PART + HOST_LOCAL]
+
+
+def test_a_capped_proxy_holds_its_rate_and_counts_every_byte_each_way(s3_server, s3_bucket):
+    """The benchmark's host link: 256 KiB up and back down at 1 MiB/s take at least 0.25 s
+    each way, and the counters hold the bodies plus no more than the requests' heads."""
+    import time
+
+    import s3fs
+
+    from tests.fault_proxy import FaultProxy
+
+    body = os.urandom(256 << 10)
+    with FaultProxy(s3_server.endpoint_url, rate_bytes_per_s=1 << 20) as proxy:
+        options = {**s3_server.storage_options}
+        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": proxy.url}
+        s3 = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        key = f"{s3_bucket.split('://')[1]}/capped"
+        start = time.perf_counter()
+        s3.pipe_file(key, body)
+        up_s, up = time.perf_counter() - start, proxy.bytes_up
+        start = time.perf_counter()
+        assert s3.cat_file(key) == body
+        down_s, down = time.perf_counter() - start, proxy.bytes_down
+    assert up_s >= 0.25 and down_s >= 0.25, (up_s, down_s)
+    assert len(body) <= up <= len(body) + (32 << 10), up
+    assert len(body) <= down <= len(body) + (32 << 10), down

@@ -1,6 +1,7 @@
 """docs/multi_host.md runs as the page says: its code blocks, in order, in every process of a
 real 2-process `jax.distributed` job on 127.0.0.1 (2 CPU devices per process)."""
 
+import json
 import os
 import re
 import sys
@@ -69,6 +70,14 @@ def test_multi_host_page_saves_and_reshards_across_two_processes(tmp_path):
     ] == [
         "0",
         "1",
+    ]
+    # 'b', replicated on both processes, was written half by each (as the page's table says).
+    with open(ckpt_dir / "checkpoint_1000.shards" / "index.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    pieces = json.loads(header["__metadata__"]["eqx_train.arrays"])["params.b"]["pieces"]
+    assert sorted((p["file"][:13], p["index"]) for p in pieces) == [
+        ("process_00000", [[0, 2]]),
+        ("process_00001", [[2, 4]]),
     ]
     # A single process reads the whole checkpoint back as saved.
     from eqx_train import checkpoints

@@ -151,6 +151,7 @@ def save_pipeline(
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     filter_spec: Any = None,
+    replica_parallel: bool = True,
 ) -> str:
     """The one save path: `save_checkpoint`, `save_checkpoint_multiprocess` and
     `CheckpointManager.save` differ only in the layout (one file, or a `.shards` directory
@@ -225,7 +226,9 @@ def save_pipeline(
                 tensors = _transfer.snapshot(
                     tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
                 )
-            planned = _multiprocess.plan_pieces(tensors, jax.process_index())
+            planned = _multiprocess.plan_pieces(
+                tensors, jax.process_index(), replica_parallel=replica_parallel
+            )
         except Exception as error:  # reported when the pieces are collected
             planned = error
 
@@ -304,13 +307,15 @@ def save_checkpoint_multiprocess(
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     filter_spec: Any = None,
+    replica_parallel: bool = True,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
 
-    Each process writes only the shards it owns (a shard replicated on several devices is
-    written once, by the device with `replica_id == 0`) into its own safetensors file, so
-    no array is ever gathered. Host-local leaves (NumPy arrays, scalars, fully addressable
-    arrays) are written by process 0. When every process's file is durable, process 0 writes
+    Each process writes only the shards it holds into its own safetensors file, so no
+    array is ever gathered; a block replicated on several processes is cut into one run
+    per process and each writes its own run (see [Multi-host training](../multi_host.md)).
+    Host-local leaves (NumPy arrays, scalars, fully addressable arrays) are written by
+    process 0. When every process's file is durable, process 0 writes
     the index (global shapes, dtypes, which file holds which slice, the tree description,
     checksums): that write is the commit. Then it applies retention. A process dying
     mid-save leaves the previous checkpoint as the latest; the others raise
@@ -322,6 +327,10 @@ def save_checkpoint_multiprocess(
     - `timeout_s`: how long a process waits for its peers at each synchronisation point
       (through the coordination service of `jax.distributed`; no shared file system is
       needed for it).
+    - `replica_parallel`: split the writing of replicated blocks between the processes
+      holding them (default). With False, each block is written whole by the device with
+      `replica_id == 0`, as earlier versions did (for a replicated state: by process 0
+      alone); both layouts restore the same.
 
     `ckpt_dir` must name the same storage on every process: an object-store URL, or a
     directory of a file system every process mounts.
@@ -346,6 +355,7 @@ def save_checkpoint_multiprocess(
         host_window_bytes=host_window_bytes,
         storage_options=storage_options,
         filter_spec=filter_spec,
+        replica_parallel=replica_parallel,
     )
 
 
@@ -415,6 +425,7 @@ def restore_checkpoint(
     filter_spec: Any = None,
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
+    replica_parallel: bool = True,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -472,6 +483,11 @@ def restore_checkpoint(
     - `filter_spec`: restore only the leaves it selects (Equinox's convention: a filter such
       as `eqx.is_array`, a bool, or a pytree prefix of `target` of those); the others keep
       the target's values, and the file's tensors for them are ignored. Default: every leaf.
+    - `replica_parallel`: in a multi-process job, when the target places one block of an
+      array on devices of several processes, each of them reads only its share of the
+      block and one jitted resharding assembles it over the interconnect (default), so the
+      job reads the checkpoint once, not once per process. Every process must then make
+      the call. With False, every process reads all the blocks its devices hold.
 
     **Returns:**
 
@@ -504,4 +520,5 @@ def restore_checkpoint(
         host_window_bytes=host_window_bytes,
         rename=rename,
         casting=casting,
+        replica_parallel=replica_parallel,
     )

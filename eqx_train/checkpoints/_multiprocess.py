@@ -246,38 +246,92 @@ def _tree_difference(a: Any, b: Any, path: str) -> str:
 
 
 def plan_pieces(
-    tensors: list[_description.Tensor], process: int
+    tensors: list[_description.Tensor], process: int, *, replica_parallel: bool = True
 ) -> tuple[list[_description.Tensor], dict[str, dict[str, Any]]]:
-    """The pieces process `process` writes, and for each its leaf and slice. Each shard of
-    a global array is written once (by the device with `replica_id == 0`); host-local
-    leaves are written whole by process 0."""
+    """The pieces process `process` writes, and for each its leaf and slice.
+
+    With `replica_parallel` (the default), the processes holding a replica of one block of
+    a global array cut it into contiguous runs along one axis (`_shards.split_axis`), one
+    per process, each written by its own process: a block replicated on R processes costs
+    each of them 1/R of its bytes. Who writes what follows from the array's sharding alone,
+    which every process knows and the opening exchange checked to be the same everywhere,
+    so no further coordination is needed. Without it, each block is written whole by the
+    device with `replica_id == 0` (the layout of earlier versions; both read the same).
+    Host-local leaves are written whole by process 0 either way."""
     pieces: list[_description.Tensor] = []
     where: dict[str, dict[str, Any]] = {}
     for tensor in tensors:
         source = tensor.source
         if isinstance(source, jax.Array) and not source.is_fully_addressable:
-            mine = [
-                (
-                    [
-                        list(s.indices(d)[:2])
-                        for s, d in zip(shard.index, tensor.shape, strict=True)
-                    ],
-                    lambda data=shard.data: np.asarray(data),
-                    shard.data,
-                )
-                for shard in source.addressable_shards
-                if shard.replica_id == 0
-            ]
+            plan = _replica_runs if replica_parallel else _replica_zero_blocks
+            mine = plan(source, tensor.shape, process, tensor.owned)
         else:
             whole = [[0, d] for d in tensor.shape]
-            mine = [(whole, tensor.get, tensor.source)] if process == 0 else []
-        for k, (ranges, get, data) in enumerate(mine):
+            mine = [(whole, tensor.get, tensor.source, tensor.owned)] if process == 0 else []
+        for k, (ranges, get, data, owned) in enumerate(mine):
             name = _names.piece_tensor(tensor.name, process, k)
             shape = tuple(b - a for a, b in ranges)
             # The shard itself as the source: the writer starts its transfer ahead of time.
-            pieces.append(_description.Tensor(name, get, tensor.dtype, shape, data, tensor.owned))
+            pieces.append(_description.Tensor(name, get, tensor.dtype, shape, data, owned))
             where[name] = {"leaf": tensor.name, "index": ranges}
     return pieces, where
+
+
+_Run = tuple[list[list[int]], Callable[[], np.ndarray], Any, bool]
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+
+
+def _replica_zero_blocks(
+    array: jax.Array, shape: tuple[int, ...], process: int, owned: bool
+) -> list[_Run]:
+    return [
+        (
+            [list(b) for b in _bounds(shard.index, shape)],
+            lambda d=shard.data: np.asarray(d),
+            shard.data,
+            owned,
+        )
+        for shard in array.addressable_shards
+        if shard.replica_id == 0
+    ]
+
+
+def _replica_runs(
+    array: jax.Array, shape: tuple[int, ...], process: int, owned: bool
+) -> list[_Run]:
+    """This process's runs of the blocks of `array` (see `plan_pieces`). One axis is cut
+    for the whole array, chosen from its smallest block, so that the pieces form a grid
+    (as `_shards.validate_arrays` requires) even when the blocks are uneven."""
+    holders: dict[tuple[tuple[int, int], ...], set[int]] = {}
+    for device, index in array.sharding.devices_indices_map(shape).items():
+        holders.setdefault(_bounds(index, shape), set()).add(device.process_index)
+    local: dict[tuple[tuple[int, int], ...], Any] = {}
+    for shard in array.addressable_shards:
+        local.setdefault(_bounds(shard.index, shape), shard.data)
+    counts = {len(p) for p in holders.values()}
+    parts = counts.pop() if len(counts) == 1 else 0  # uneven replication: whole blocks
+    smallest = [min(b[a][1] - b[a][0] for b in holders) for a in range(len(shape))]
+    axis = _shards.split_axis(smallest, parts)
+    runs: list[_Run] = []
+    for bounds in sorted(holders):
+        order = sorted(holders[bounds])
+        if process not in order:
+            continue
+        data = local[bounds]
+        if axis is None:  # written whole, by the first process holding it
+            if order[0] == process:
+                runs.append(([list(b) for b in bounds], lambda d=data: np.asarray(d), data, owned))
+            continue
+        ranges = _shards.split_bounds(bounds, axis, order.index(process), parts)
+        # A copy of just this run on the device: only its bytes travel to the host.
+        run = data[
+            tuple(slice(lo - b[0], hi - b[0]) for (lo, hi), b in zip(ranges, bounds, strict=True))
+        ]
+        runs.append((ranges, lambda d=run: np.asarray(d), run, True))
+    return runs
 
 
 def write_and_commit(

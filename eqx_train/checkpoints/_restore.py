@@ -10,6 +10,7 @@ read only the tensors it needs, rebuild).
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from . import _directory, _matching, _names, _selection
+from . import _directory, _matching, _names, _read_once, _selection
 from ._description import LeafKind, rebuild, weak_like
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
@@ -192,6 +193,7 @@ def restore_entry(
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
+    replica_parallel: bool = True,
 ) -> T:
     """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
     directly) into `target`. Raises `FileNotFoundError` if
@@ -208,6 +210,7 @@ def restore_entry(
             host_window_bytes=host_window_bytes,
             rename=rename,
             casting=casting,
+            replica_parallel=replica_parallel,
         )
 
 
@@ -265,6 +268,7 @@ def restore_from(
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
+    replica_parallel: bool = True,
 ) -> Any:
     """`target` filled from `reader` (or, for `target=None`, the tree as saved).
 
@@ -276,7 +280,8 @@ def restore_from(
     leaves read, verified and cast on the host while earlier ones are placed on their
     devices), or device block by device block for a sharded target (`_blockwise`). `caller`
     names the public function in errors. With `strict=False`, a `PartialRestoreWarning`
-    says what did not match.
+    says what did not match. With `replica_parallel`, a block the target places on several
+    processes is read once across them (`_read_once`).
     """
     if target is None:
         if not reader.has_description:
@@ -340,10 +345,30 @@ def restore_from(
                 if isinstance(leaf, jax.Array):
                     leaf.block_until_ready()
                 leaves[slot.index] = leaf
-    for slot in found.slots:
-        if slot.saved not in whole:
+    blockwise = [slot for slot in found.slots if slot.saved not in whole]
+    # Read once across processes: a tensor no cast changes, filling one leaf (a tensor tied
+    # to several leaves may be placed differently for each).
+    counts = collections.Counter(slot.saved for slot in blockwise)
+    tied = {saved for saved, count in counts.items() if count > 1}
+    once = (
+        _read_once.place(
+            reader,
+            [
+                (s.saved, leaves[s.index])
+                for s in blockwise
+                if s.cast is None and s.saved not in tied
+            ],
+            verify,
+        )
+        if replica_parallel
+        else {}
+    )
+    for slot in blockwise:
+        if slot.saved in once:
+            read = once[slot.saved]
+        else:
             read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
-            leaves[slot.index] = weak_like(leaves[slot.index], read)
+        leaves[slot.index] = weak_like(leaves[slot.index], read)
     # Python scalars: a few bytes each, read outside the window.
     config_arrays = reader.read_many(
         list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
