@@ -434,14 +434,14 @@ def test_importing_eqx_train_testing_without_hypothesis_names_the_extra():
     assert "missing: hypothesis" in result.stdout
 
 
-def test_the_entry_point_plugin_loads_without_hypothesis_or_jax():
+def test_the_entry_point_plugin_loads_without_eqx_train_hypothesis_or_jax():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert scripts["pytest11"] == {"eqx_train.testing": "eqx_train._pytest_plugin"}
+    assert scripts["pytest11"] == {"eqx_train.testing": "eqx_train_pytest"}
     result = _run_python(
         _BLOCK_HYPOTHESIS
         + """
-    import eqx_train._pytest_plugin
-    print(sorted(m for m in ("jax", "hypothesis") if m in sys.modules))
+    import eqx_train_pytest
+    print(sorted(m for m in ("eqx_train", "jax", "hypothesis") if m in sys.modules))
     """
     )
     assert result.returncode == 0, result.stderr

@@ -16,13 +16,14 @@ except ImportError as error:
         f"its `testing` extra: pip install 'eqx_train[testing]' (missing: {error.name})."
     ) from error
 
-from .._pytest_plugin import (
+from eqx_train_pytest import (
     checkpoint_dir as checkpoint_dir,
     cpu_mesh as cpu_mesh,
     pytest_addoption as pytest_addoption,
     pytest_configure as pytest_configure,
     pytest_report_header as pytest_report_header,
 )
+
 from . import strategies as strategies
 from ._compare import assert_trees_equal as assert_trees_equal
 from ._laws import (

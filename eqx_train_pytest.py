@@ -1,9 +1,11 @@
 """The pytest plugin of `eqx_train.testing`: `--cpu-devices N` and the fixtures
 `checkpoint_dir` and `cpu_mesh`.
 
-It lives outside `eqx_train.testing` because pytest may load it in every session of
-everyone who installed eqx_train (the `pytest11` entry point): so it imports only pytest
-at load time, never JAX or hypothesis, and does nothing until used. `--cpu-devices` unset
+It lives outside the `eqx_train` package because pytest may load it in every session of
+everyone who installed eqx_train (the `pytest11` entry point), before any conftest.py: so
+it imports only pytest at load time (not eqx_train, JAX or hypothesis: a suite that has
+jaxtyping's import hook check eqx_train needs eqx_train imported after the hook), and does
+nothing until used. `--cpu-devices` unset
 changes nothing, and a fixture runs only for the tests that request it. `eqx_train.testing`
 re-exports these hooks, so that `-p eqx_train.testing` loads the same plugin where the
 entry point is not installed or pytest's plugin autoloading is off.
