@@ -4,6 +4,7 @@ the processes of a multi-process job skip the same ones."""
 
 from __future__ import annotations
 
+import errno
 import json
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,15 @@ from . import _coordination, _directory, _errors, _storage
 from ._restore import RESTORE_ATTEMPTS, restore_entry
 
 T = TypeVar("T")
+
+# What a local read error says when the checkpoint's own bytes are unreadable: a failing
+# disk (EIO), or a file system that found them corrupt (Linux's EFSBADCRC and EFSCORRUPTED
+# are EBADMSG and EUCLEAN). Any other OSError (too many open files, no memory, a permission,
+# an interrupted call) is about the process or the machine, not the checkpoint: falling back
+# would restore an older step and move a good newest checkpoint aside.
+_UNREADABLE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name)
+)
 
 
 class UnreadableCheckpointWarning(UserWarning):
@@ -65,10 +75,14 @@ def restore_latest_that_verifies(
         except FileNotFoundError:
             outcome = "gone"
         except Exception as error:
-            if isinstance(error, OSError) and store.is_local:
-                # A disk read error (EIO, say) is what a fallback is for, as corruption is.
-                # (On an object store an OSError says nothing about the checkpoint: a
-                # network error must never make it skipped and moved away.)
+            if (
+                isinstance(error, OSError)
+                and error.errno in _UNREADABLE_ERRNOS
+                and store.is_local
+            ):
+                # A disk read error is what a fallback is for, as corruption is. (On an
+                # object store an OSError says nothing about the checkpoint: a network
+                # error must never make it skipped and moved away.)
                 skipped[entry.path] = error
                 outcome = f"corrupt: {error}"
             elif not multiprocess:  # e.g. a target mismatch: no fallback

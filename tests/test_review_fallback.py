@@ -1,0 +1,64 @@
+"""Review of the manager's fallback: only errors that say the checkpoint itself is
+unreadable make it skipped and moved aside. An error of the process or the machine (too
+many open files, no memory, a permission) says nothing about the newest checkpoint: it
+is raised, and the checkpoint stays where it is, listed."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from eqx_train import checkpoints
+from eqx_train.checkpoints import CheckpointManager, _storage
+
+
+def _state(step):
+    return {"w": np.full(4, float(step), np.float32)}
+
+
+def _saved(directory, steps):
+    manager = CheckpointManager(directory, keep_latest=len(steps), handle_sigterm=False)
+    for step in steps:
+        manager.save(step, _state(step))
+    manager.close()
+
+
+@pytest.fixture
+def failing_reads(monkeypatch):
+    """Makes every read of the named file fail with the given errno."""
+    failing = {}
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        code = failing.get(os.path.realpath(f"/proc/self/fd/{fd}"))
+        if code is not None:
+            raise OSError(code, os.strerror(code))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(_storage.os, "preadv", preadv)
+    return lambda path, code: failing.__setitem__(os.path.realpath(path), code)
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENOMEM, errno.EACCES, errno.EINTR])
+def test_an_error_of_the_process_not_the_disk_is_raised_and_moves_nothing(
+    tmp_path, failing_reads, code
+):
+    _saved(tmp_path, [6, 7])
+    newest = tmp_path / "checkpoint_7.safetensors"
+    failing_reads(newest, code)
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.raises(OSError) as raised:
+        manager.restore(_state(0))
+    assert raised.value.errno == code and str(newest) in str(raised.value)
+    assert newest.exists() and manager.all_steps() == [6, 7]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("corrupt-")]
+
+
+def test_a_disk_read_error_still_falls_back(tmp_path, failing_reads):
+    _saved(tmp_path, [6, 7])
+    failing_reads(tmp_path / "checkpoint_7.safetensors", errno.EIO)
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="Input/output error"):
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
