@@ -75,11 +75,7 @@ def restore_latest_that_verifies(
         except FileNotFoundError:
             outcome = "gone"
         except Exception as error:
-            if (
-                isinstance(error, OSError)
-                and error.errno in _UNREADABLE_ERRNOS
-                and store.is_local
-            ):
+            if isinstance(error, OSError) and error.errno in _UNREADABLE_ERRNOS and store.is_local:
                 # A disk read error is what a fallback is for, as corruption is. (On an
                 # object store an OSError says nothing about the checkpoint: a network
                 # error must never make it skipped and moved away.)

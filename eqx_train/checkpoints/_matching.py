@@ -230,7 +230,12 @@ def match(
         file_shape, file_dtype = available[source]
         if dtype is not None:
             shared_arrays.append((file_shape, file_dtype, shape, dtype))
-        numeric = file_dtype.kind in "biuf"
+        # A Python scalar takes a saved value that converts exactly; a saved bool never
+        # does into an int or a float (`_description`'s fill refuses it whatever its
+        # value), which the header already says.
+        numeric = file_dtype.kind in (
+            "biuf" if is_config or kind.scalar_type in (None, bool) else "iuf"
+        )
         cast = dtype is not None and file_dtype != dtype
         allowed = not cast or (
             kind.name != "prng_key" and np.can_cast(file_dtype, np.dtype(dtype), casting)

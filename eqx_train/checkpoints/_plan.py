@@ -41,7 +41,10 @@ class RestorePlan:
 
     @property
     def ok(self) -> bool:
-        """Whether the restore would succeed (no problems)."""
+        """Whether the restore would succeed (no problems). One thing only the restore
+        can tell, since a plan reads no tensor data: whether the saved value of a Python
+        scalar leaf (an `int`, `float` or `bool` in a dict, list or tuple) converts exactly,
+        as it must (0.5 into a `bool` is refused, naming the leaf)."""
         return not self.problems
 
     def __str__(self) -> str:
