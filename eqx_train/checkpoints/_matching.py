@@ -77,7 +77,11 @@ def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str |
     if rename is None:
         return name, None
     if callable(rename) and not isinstance(rename, Mapping):
-        source = rename(name)
+        try:
+            source = rename(name)
+        except Exception as error:
+            error.add_note(f"{caller}: raised by rename('{name}'), the target leaf's name")
+            raise
         if source is not None and not isinstance(source, str):
             raise TypeError(
                 f"{caller}: rename('{name}') returned {source!r}; it must return a saved "
@@ -191,6 +195,7 @@ def match(
     chosen = _selection.selected(target, filter_spec)
     shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
     used: set[str] = set()
+    names: list[str] = []  # of every data leaf, for what a dead `rename` entry says
     prefixes_matched: set[str] = set()
     prefixes_found: set[str] = set()
     for index, (key_path, leaf) in enumerate(pairs):
@@ -198,6 +203,7 @@ def match(
         if kind is None:
             continue  # not data: kept from the target
         name = path_to_name(key_path)
+        names.append(name)
         source, prefix = source_of(name, rename, caller)
         if prefix is not None:
             prefixes_matched.add(prefix)
@@ -269,7 +275,7 @@ def match(
             found.problems.append(
                 f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
             )
-    found.problems.extend(_rename_problems(rename, prefixes_matched, prefixes_found, strict))
+    found.problems.extend(_rename_problems(rename, names, prefixes_matched, prefixes_found, strict))
     if found.problems:
         found.hint = _selection.replicated_hint(shared_arrays)
     return found
@@ -287,16 +293,29 @@ def _why_not_cast(
     return f"; casting={needed!r} would allow it (now casting={casting!r})" if needed else ""
 
 
-def _rename_problems(rename: Rename, matched: set[str], found: set[str], strict: bool) -> list[str]:
-    """A `rename` entry that applies to no target leaf, or (with `strict=False`, where a
-    missing leaf is no problem of its own) whose saved prefix holds no tensor: a typo."""
+def _rename_problems(
+    rename: Rename, names: list[str], matched: set[str], found: set[str], strict: bool
+) -> list[str]:
+    """A `rename` entry that applies to no target leaf (none is under it, or a longer
+    prefix takes each one that is), or (with `strict=False`, where a missing leaf is no
+    problem of its own) whose saved prefix holds no tensor: a typo."""
     if rename is None or callable(rename) and not isinstance(rename, Mapping):
         return []
-    problems = [
-        f"rename {{{prefix!r}: {by!r}}}: no target leaf is named '{prefix}' or under it"
-        for prefix, by in rename.items()
-        if prefix not in matched
-    ]
+    problems = []
+    for prefix, by in rename.items():
+        if prefix in matched:
+            continue
+        under = [name for name in names if _under(name, prefix)]
+        if not under:
+            problems.append(
+                f"rename {{{prefix!r}: {by!r}}}: no target leaf is named '{prefix}' or under it"
+            )
+            continue
+        longer = sorted({p for p in matched if _under(p, prefix)}, key=len)
+        problems.append(
+            f"rename {{{prefix!r}: {by!r}}}: applies to no leaf, as a longer prefix takes "
+            f"each one under '{prefix}' ({_some(longer)}); remove it or the longer one"
+        )
     if not strict:
         problems += [
             f"rename {{{prefix!r}: {by!r}}}: the file has no tensor for any target leaf under "
