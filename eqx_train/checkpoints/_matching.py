@@ -10,6 +10,8 @@ prefixes, or a function); a source whose dtype differs is cast on the host when 
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -350,5 +352,25 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
                 f"{caller}: {path} restored partially (strict=False):\n  {listed}\n"
                 "plan_restore lists them all before restoring."
             ),
-            stacklevel=6,  # the caller of restore_checkpoint
+            stacklevel=_outside_stacklevel(sys._getframe()),
         )
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Run-time type checkers (jaxtyping's import hook, as the test suite runs) wrap each
+# function of the package in frames of their own.
+_WRAPPERS = ("jaxtyping", "beartype", "typeguard")
+
+
+def _outside_stacklevel(frame: Any) -> int:
+    """The `stacklevel` of the first frame outside eqx_train, for a warning raised in
+    `frame`: the user's call (of `restore_checkpoint`, a manager's `restore`...), however
+    many of the package's own frames lie between."""
+    level = 1
+    while frame.f_back is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+        or frame.f_code.co_filename.startswith("<@beartype")
+        or str(frame.f_globals.get("__name__", "")).partition(".")[0] in _WRAPPERS
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
