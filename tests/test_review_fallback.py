@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import CheckpointManager, _storage
+from eqx_train.checkpoints import CheckpointManager, _fallback, _storage
 
 
 def _state(step):
@@ -62,3 +62,43 @@ def test_a_disk_read_error_still_falls_back(tmp_path, failing_reads):
     with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="Input/output error"):
         restored = manager.restore(_state(0))
     np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
+
+
+def _corrupt(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
+    tmp_path, monkeypatch, sharded
+):
+    # Manager B finds step 7 corrupt and restores step 6. Meanwhile (a hook in B's restore
+    # of step 6, so the race is certain) manager A moves the corrupt step 7 aside and saves
+    # a good step 7. B must not then move A's good step 7 aside as the corrupt one.
+    save = checkpoints.save_checkpoint_multiprocess if sharded else checkpoints.save_checkpoint
+    for step in (6, 7):
+        save(tmp_path, _state(step), step, keep=3)
+    suffix = ".shards" if sharded else ".safetensors"
+    newest = tmp_path / f"checkpoint_7{suffix}"
+    pieces = [p for p in newest.glob("*.safetensors") if p.name != "index.safetensors"]
+    _corrupt(pieces[0] if sharded else newest)
+    real_restore = _fallback.restore_entry
+
+    def restore_entry(store, entry, target, **options):
+        if entry.step == 6:  # B has skipped step 7: A acts now
+            os.rename(newest, tmp_path / f"corrupt-checkpoint_7{suffix}")
+            save(tmp_path, _state(70), 7, keep=3)
+        return real_restore(store, entry, target, **options)
+
+    monkeypatch.setattr(_fallback, "restore_entry", restore_entry)
+    b = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="replaced") as caught:
+        b.restore(_state(0))
+    assert str(newest) in str(caught[0].message)
+    monkeypatch.setattr(_fallback, "restore_entry", real_restore)
+    assert b.all_steps() == [6, 7]
+    np.testing.assert_array_equal(b.restore(_state(0))["w"], np.full(4, 70.0))

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import _coordination, _directory, _errors, _storage
+from . import _coordination, _directory, _errors, _names, _storage
 from ._restore import RESTORE_ATTEMPTS, restore_entry
 
 T = TypeVar("T")
@@ -51,7 +51,7 @@ def restore_latest_that_verifies(
     most `timeout_s` for the others."""
     caller = "CheckpointManager.restore"
     skipped: dict[str, Exception] = {}
-    tried: dict[str, _directory.Entry] = {}
+    tried: dict[str, tuple[_directory.Entry, Any]] = {}
     multiprocess = jax.process_count() > 1
     relists = 0
     listing = _directory.preferred(list_checkpoints())
@@ -65,7 +65,6 @@ def restore_latest_that_verifies(
                 )
             return target
         entry = candidates[0]
-        tried[entry.path] = entry
         outcome, restored, failure = "ok", target, None
         try:
             restored = restore_entry(store, entry, target, **options)
@@ -85,6 +84,8 @@ def restore_latest_that_verifies(
                 raise
             else:
                 failure, outcome = error, f"failed: {type(error).__name__}: {error}"
+        # The version found unreadable: only that one may be moved aside later.
+        tried[entry.path] = (entry, _version(store, entry) if entry.path in skipped else None)
         if multiprocess:
             # Each process reads only its devices' pieces: a corruption one of them
             # sees must make every one skip that checkpoint.
@@ -111,6 +112,7 @@ def restore_latest_that_verifies(
             else:
                 bad = [o for _, o in reports if o != "ok"]
                 if bad and outcome == "ok":
+                    tried[entry.path] = (entry, _version(store, entry))
                     outcome = bad[0]
                     skipped[entry.path] = _errors.CheckpointFormatError(
                         f"{entry.path}: another process found it {bad[0]}"
@@ -136,20 +138,38 @@ def restore_latest_that_verifies(
             listing = _directory.preferred(list_checkpoints())
 
 
+def _version(store: _storage.Storage, entry: _directory.Entry) -> Any:
+    """What tells one version of the checkpoint `entry` from another saved under its name
+    (the file's, or a `.shards` index's, identity), or None if it is gone."""
+    path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
+    try:
+        return store.identity(path)
+    except OSError:
+        return None
+
+
 def _quarantine(
     store: _storage.Storage,
     directory: str,
-    entries: list[_directory.Entry],
+    entries: list[tuple[_directory.Entry, Any]],
     timeout_s: int | float,
 ) -> dict[str, str]:
-    """Moves each skipped checkpoint out of the listing (`_directory.quarantine`), so that
-    it neither blocks the next save of its step nor counts as that step saved; returns,
-    for each, a sentence saying where it went (or why it could not be moved). In a
-    multi-process job process 0 moves them, and every process waits until it has."""
+    """Moves each skipped checkpoint (with the version found unreadable) out of the
+    listing (`_directory.quarantine`), so that it neither blocks the next save of its step
+    nor counts as that step saved; returns, for each, a sentence saying where it went (or
+    why it was not moved). One saved again under its name meanwhile (another manager moved
+    the corrupt one aside and saved its step) is left alone. In a multi-process job
+    process 0 moves them, and every process waits until it has."""
 
     def move() -> str:
         said = {}
-        for entry in entries:
+        for entry, version in entries:
+            if version is None or _version(store, entry) != version:
+                said[entry.path] = (
+                    "It was replaced or moved since it was found unreadable (by another "
+                    "process), so it was left as it is."
+                )
+                continue
             try:
                 new_path = _directory.quarantine(store, directory, entry)
             except OSError as error:
