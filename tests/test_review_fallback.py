@@ -5,6 +5,7 @@ is raised, and the checkpoint stays where it is, listed."""
 
 import errno
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -102,3 +103,40 @@ def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
     monkeypatch.setattr(_fallback, "restore_entry", real_restore)
     assert b.all_steps() == [6, 7]
     np.testing.assert_array_equal(b.restore(_state(0))["w"], np.full(4, 70.0))
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.EACCES])
+def test_retention_never_deletes_the_best_checkpoint_for_an_error_of_the_process(
+    tmp_path, failing_reads, code
+):
+    # Reading the best checkpoint's metrics fails with an error that says nothing about
+    # it: it must not count as having no metric (and so be deleted as neither latest nor
+    # best); the save raises instead, and the best stays.
+    manager = CheckpointManager(
+        tmp_path, keep_latest=1, keep_best=1, best_metric="loss", handle_sigterm=False
+    )
+    for step, loss in [(1, 0.1), (2, 0.5)]:
+        manager.save(step, _state(step), metrics={"loss": loss})
+    best = tmp_path / "checkpoint_1.safetensors"
+    failing_reads(best, code)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoints.UnreadableCheckpointWarning)
+        with pytest.raises(OSError, match=str(best)):
+            manager.save(3, _state(3), metrics={"loss": 0.9})
+    manager.close()
+    assert best.exists()
+
+
+def test_retention_counts_a_checkpoint_with_a_disk_read_error_as_having_no_metric(
+    tmp_path, failing_reads
+):
+    manager = CheckpointManager(
+        tmp_path, keep_latest=1, keep_best=1, best_metric="loss", handle_sigterm=False
+    )
+    for step, loss in [(1, 0.1), (2, 0.5)]:
+        manager.save(step, _state(step), metrics={"loss": loss})
+    failing_reads(tmp_path / "checkpoint_1.safetensors", errno.EIO)
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="Input/output error"):
+        manager.save(3, _state(3), metrics={"loss": 0.9})
+    manager.close()
+    assert manager.all_steps() == [2, 3]

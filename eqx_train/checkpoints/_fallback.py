@@ -21,8 +21,9 @@ T = TypeVar("T")
 # disk (EIO), or a file system that found them corrupt (Linux's EFSBADCRC and EFSCORRUPTED
 # are EBADMSG and EUCLEAN). Any other OSError (too many open files, no memory, a permission,
 # an interrupted call) is about the process or the machine, not the checkpoint: falling back
-# would restore an older step and move a good newest checkpoint aside.
-_UNREADABLE_ERRNOS = frozenset(
+# would restore an older step and move a good newest checkpoint aside, and retention
+# (`_retention.metric_of`) would count the best checkpoint as having no metric and delete it.
+UNREADABLE_ERRNOS = frozenset(
     getattr(errno, name) for name in ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name)
 )
 
@@ -74,7 +75,7 @@ def restore_latest_that_verifies(
         except FileNotFoundError:
             outcome = "gone"
         except Exception as error:
-            if isinstance(error, OSError) and error.errno in _UNREADABLE_ERRNOS and store.is_local:
+            if isinstance(error, OSError) and error.errno in UNREADABLE_ERRNOS and store.is_local:
                 # A disk read error is what a fallback is for, as corruption is. (On an
                 # object store an OSError says nothing about the checkpoint: a network
                 # error must never make it skipped and moved away.)

@@ -14,7 +14,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from . import _directory, _format, _names, _storage
-from ._fallback import UnreadableCheckpointWarning
+from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
 from ._names import METRICS_KEY as _METRICS_KEY
 from ._restore import RESTORE_ATTEMPTS
 
@@ -63,9 +63,12 @@ def metric_of(
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as error:
-        if isinstance(error, OSError) and not store.is_local:
-            # An unreachable store says nothing about the checkpoint: never let a
-            # network error make retention delete the best one.
+        if isinstance(error, OSError) and (
+            not store.is_local or error.errno not in UNREADABLE_ERRNOS
+        ):
+            # An unreachable store, or an error of the process (too many open files, a
+            # permission), says nothing about the checkpoint: never let it make retention
+            # delete the best one.
             raise
         return None, str(error)
     value = metrics.get(best_metric or "") if isinstance(metrics, dict) else None
