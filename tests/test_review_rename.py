@@ -36,3 +36,16 @@ def test_an_error_raised_by_a_rename_function_names_the_leaf_it_was_given(direct
     with pytest.raises(KeyError) as raised:
         restore_checkpoint(directory, target, rename=lambda name: {}[name])
     assert "rename('enc.w')" in "\n".join(getattr(raised.value, "__notes__", []))
+
+
+def test_the_root_prefix_maps_a_bare_array_target(directory):
+    # `""` is the root: a target that is one array (named '<root>' in errors) takes the
+    # saved tensor the root is mapped to.
+    restored = restore_checkpoint(directory, np.zeros(3, np.float32), rename={"": "enc.w"})
+    np.testing.assert_array_equal(restored, np.ones(3, np.float32))
+
+
+def test_a_prefix_mapped_to_the_root_takes_a_checkpoint_of_one_array(tmp_path):
+    checkpoints.save_checkpoint(tmp_path, np.arange(3, dtype=np.float32), 1)
+    restored = restore_checkpoint(tmp_path, {"w": np.zeros(3, np.float32)}, rename={"w": ""})
+    np.testing.assert_array_equal(restored["w"], np.arange(3, dtype=np.float32))

@@ -63,6 +63,9 @@ def check_options(casting: Any, rename: Any, caller: str) -> None:
         )
 
 
+_ROOT = path_to_name(())  # the name of the one leaf of a tree that is a leaf
+
+
 def _under(name: str, prefix: str) -> bool:
     """Whether `prefix` is `name` or a run of its first dot-separated segments ("" is all)."""
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
@@ -90,11 +93,14 @@ def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str |
                 "name (str) or None (the leaf keeps the target's value)."
             )
         return source, None
-    matching = [prefix for prefix in rename if _under(name, prefix)]
+    # A tree that is one leaf has the name '<root>', which is the prefix "": a root
+    # mapped to a leaf takes it, and a leaf mapped to "" takes a file of one array.
+    path = "" if name == _ROOT else name
+    matching = [prefix for prefix in rename if _under(path, prefix)]
     if not matching:
         return name, None
     prefix = max(matching, key=len)
-    return _replace(name, prefix, rename[prefix]), prefix
+    return _replace(path, prefix, rename[prefix]) or _ROOT, prefix
 
 
 def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
