@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -144,6 +145,10 @@ def _version(store: _storage.Storage, entry: _directory.Entry) -> Any:
     (the file's, or a `.shards` index's, identity), or None if it is gone."""
     path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
     try:
+        if store.is_local:
+            # An inode number alone may be reused once a file is deleted.
+            info = os.stat(path)
+            return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
         return store.identity(path)
     except OSError:
         return None
