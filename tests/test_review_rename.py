@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import plan_restore, restore_checkpoint
@@ -49,3 +50,67 @@ def test_a_prefix_mapped_to_the_root_takes_a_checkpoint_of_one_array(tmp_path):
     checkpoints.save_checkpoint(tmp_path, np.arange(3, dtype=np.float32), 1)
     restored = restore_checkpoint(tmp_path, {"w": np.zeros(3, np.float32)}, rename={"w": ""})
     np.testing.assert_array_equal(restored["w"], np.arange(3, dtype=np.float32))
+
+
+# -------------------------------------------------- the prefix rule against a reference
+
+SEGMENTS = ["a", "ab", "b"]  # "a" is a string prefix of "ab" but not a segment prefix
+SAVED_NAMES = [f"{x}.{y}.{z}" for x in SEGMENTS for y in SEGMENTS for z in SEGMENTS]
+
+
+def _nested(names, value):
+    tree = {}
+    for name in names:
+        node = tree
+        *parents, last = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _reference_source(name, rename):
+    """The rule as the docs state it, written out independently of the matcher."""
+    best = None
+    for prefix in rename:
+        segments = prefix.split(".") if prefix else []
+        if name.split(".")[: len(segments)] == segments:
+            if best is None or len(segments) > len(best.split(".") if best else []):
+                best = prefix
+    if best is None:
+        return name
+    rest = name.split(".")[len(best.split(".")) if best else 0 :]
+    return ".".join([rename[best]] * bool(rename[best]) + rest)
+
+
+@pytest.fixture(scope="module")
+def universe(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("universe")
+    checkpoints.save_checkpoint(directory, _nested(SAVED_NAMES, np.ones(1, np.float32)), 1)
+    return directory
+
+
+def _prefix_of(depth):
+    return st.lists(st.sampled_from(SEGMENTS), min_size=depth, max_size=depth).map(".".join)
+
+
+@st.composite
+def _renames(draw):
+    rename = {}
+    for _ in range(draw(st.integers(1, 4))):
+        depth = draw(st.integers(0, 3))  # a saved prefix as deep: the source stays a leaf
+        rename[draw(_prefix_of(depth))] = draw(_prefix_of(depth))
+    return rename
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    targets=st.lists(st.sampled_from(SAVED_NAMES), min_size=1, max_size=8, unique=True),
+    rename=_renames(),
+)
+def test_each_target_leaf_takes_the_saved_name_the_longest_whole_segment_prefix_gives(
+    universe, targets, rename
+):
+    target = _nested(targets, np.zeros(1, np.float32))
+    plan = plan_restore(universe, target, rename=rename, strict=False)
+    assert plan.taken == {name: _reference_source(name, rename) for name in targets}
