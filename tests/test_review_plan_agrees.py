@@ -158,3 +158,17 @@ def test_only_a_python_scalars_saved_value_is_beyond_a_plan(saved):
         ValueError, match=r"'lr': the file holds 0.5 \(float64\), not exactly a bool"
     ):
         restore_checkpoint(saved, target)
+
+
+def test_a_plan_for_target_none_says_the_file_loads_as_saved(saved):
+    # restore_checkpoint(path, None) loads every tensor as saved: the plan agrees.
+    plan = plan_restore(saved, None)
+    assert plan.ok and plan.taken == {name: name for name in plan.taken}
+    assert sorted(plan.taken) == ["count", "enc.b", "enc.w", "flag", "key", "lr", "mask"]
+    assert plan.cast == {} and plan.kept == [] and plan.unused == []
+    restore_checkpoint(saved, None)
+
+
+def test_a_plan_for_target_none_refuses_options_that_need_a_target(saved):
+    with pytest.raises(ValueError, match="rename.*target=None"):
+        plan_restore(saved, None, rename={"a": "b"})
