@@ -140,3 +140,16 @@ def test_retention_counts_a_checkpoint_with_a_disk_read_error_as_having_no_metri
         manager.save(3, _state(3), metrics={"loss": 0.9})
     manager.close()
     assert manager.all_steps() == [2, 3]
+
+
+def test_the_unreadable_metrics_warning_points_at_the_save_that_ranked(tmp_path, failing_reads):
+    manager = CheckpointManager(
+        tmp_path, keep_latest=1, keep_best=1, best_metric="loss", handle_sigterm=False
+    )
+    for step, loss in [(1, 0.1), (2, 0.5)]:
+        manager.save(step, _state(step), metrics={"loss": loss})
+    failing_reads(tmp_path / "checkpoint_1.safetensors", errno.EIO)
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning) as caught:
+        manager.save(3, _state(3), metrics={"loss": 0.9})
+    manager.close()
+    assert caught[0].filename == __file__

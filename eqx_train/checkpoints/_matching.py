@@ -358,7 +358,7 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
                 f"{caller}: {path} restored partially (strict=False):\n  {listed}\n"
                 "plan_restore lists them all before restoring."
             ),
-            stacklevel=_outside_stacklevel(sys._getframe()),
+            stacklevel=outside_stacklevel(sys._getframe()),
         )
 
 
@@ -368,7 +368,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _WRAPPERS = ("jaxtyping", "beartype", "typeguard")
 
 
-def _outside_stacklevel(frame: Any) -> int:
+def outside_stacklevel(frame: Any) -> int:
     """The `stacklevel` of the first frame outside eqx_train, for a warning raised in
     `frame`: the user's call (of `restore_checkpoint`, a manager's `restore`...), however
     many of the package's own frames lie between."""

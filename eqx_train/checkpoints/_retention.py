@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from jax.typing import ArrayLike
 
 from . import _directory, _format, _names, _storage
 from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
+from ._matching import outside_stacklevel
 from ._names import METRICS_KEY as _METRICS_KEY
 from ._restore import RESTORE_ATTEMPTS
 
@@ -127,7 +129,7 @@ class Ranking:
                     f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
                     "it counts as having none.",
                     UnreadableCheckpointWarning,
-                    stacklevel=4,
+                    stacklevel=outside_stacklevel(sys._getframe()),
                 )
         usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
         sign = 1.0 if mode == "min" else -1.0
