@@ -153,3 +153,19 @@ def test_the_unreadable_metrics_warning_points_at_the_save_that_ranked(tmp_path,
         manager.save(3, _state(3), metrics={"loss": 0.9})
     manager.close()
     assert caught[0].filename == __file__
+
+
+def test_a_disk_read_error_in_a_piece_of_a_shards_checkpoint_falls_back_naming_the_piece(
+    tmp_path, failing_reads
+):
+    for step in (6, 7):
+        checkpoints.save_checkpoint_multiprocess(tmp_path, _state(step), step, keep=2)
+    newest = tmp_path / "checkpoint_7.shards"
+    [piece] = [p for p in newest.iterdir() if p.name.startswith("process_")]
+    failing_reads(piece, errno.EIO)
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.warns(checkpoints.UnreadableCheckpointWarning) as caught:
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
+    assert str(piece) in str(caught[0].message)
+    assert (tmp_path / "corrupt-checkpoint_7.shards" / piece.name).exists()
