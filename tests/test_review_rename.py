@@ -114,3 +114,18 @@ def test_each_target_leaf_takes_the_saved_name_the_longest_whole_segment_prefix_
     target = _nested(targets, np.zeros(1, np.float32))
     plan = plan_restore(universe, target, rename=rename, strict=False)
     assert plan.taken == {name: _reference_source(name, rename) for name in targets}
+
+
+def test_a_saved_tensor_no_leaf_takes_is_unused_even_under_a_leaf_renamed_to_none(tmp_path):
+    # rename -> None: the leaf 'b' has no source, so the saved 'b' is taken by no leaf:
+    # `unused` is "saved names no leaf takes", and a strict restore refuses it.
+    checkpoints.save_checkpoint(tmp_path, {"w": np.ones(2), "b": np.ones(2)}, 1)
+    target = {"w": np.zeros(2), "b": np.zeros(2)}
+
+    def rename(name):
+        return None if name == "b" else name
+
+    plan = plan_restore(tmp_path, target, rename=rename, strict=False)
+    assert plan.unused == ["b"] and plan.kept == ["b"]
+    with pytest.raises(ValueError, match="'b': in the file as"):
+        restore_checkpoint(tmp_path, target, rename=rename)

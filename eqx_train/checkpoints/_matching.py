@@ -218,9 +218,11 @@ def match(
             if source in available:
                 prefixes_found.add(prefix)
         if not chosen[index] or source is None:
-            # Left out by filter_spec or given no source by rename: kept from the target,
-            # and its saved tensor (if any) is never "extra".
-            used.add(name if source is None else source)
+            # Left out by filter_spec: kept from the target, and its saved tensor (if any)
+            # is never "extra". Given no source by rename: kept, and it takes no saved
+            # tensor, so one of its name that no other leaf takes is unused.
+            if source is not None:
+                used.add(source)
             found.kept.append(name)
             continue
         is_config = (
