@@ -253,15 +253,15 @@ def match(
             "biuf" if is_config or kind.scalar_type in (None, bool) else "iuf"
         )
         cast = dtype is not None and file_dtype != dtype
-        allowed = not cast or (
-            kind.name != "prng_key" and np.can_cast(file_dtype, np.dtype(dtype), casting)
-        )
+        # Key data is never cast, whether the target or the file holds the key.
+        is_key = kind.name == "prng_key" or source in saved_keys
+        allowed = not cast or (not is_key and np.can_cast(file_dtype, np.dtype(dtype), casting))
         if file_shape != shape or (dtype is None and not numeric) or not allowed:
             found.mismatched.append(source)
             found.problems.append(
                 f"{label}: file has {_describe(file_shape, file_dtype)}, target expects "
                 f"{expectation}"
-                + _why_not_cast(kind, file_shape == shape and cast, file_dtype, dtype, casting)
+                + _why_not_cast(is_key, file_shape == shape and cast, file_dtype, dtype, casting)
             )
             continue
         impl = str(key_impl(leaf)) if kind.name == "prng_key" else None
@@ -292,12 +292,12 @@ def match(
 
 
 def _why_not_cast(
-    kind: LeafKind, dtype_only: bool, saved: np.dtype, target: Any, casting: str
+    is_key: bool, dtype_only: bool, saved: np.dtype, target: Any, casting: str
 ) -> str:
     """The end of a dtype refusal: what would allow the cast, if anything."""
     if not dtype_only:
         return ""
-    if kind.name == "prng_key":
+    if is_key:
         return " (PRNG key data is never cast)"
     needed = loosest_needed(saved, target)
     return f"; casting={needed!r} would allow it (now casting={casting!r})" if needed else ""
