@@ -121,10 +121,11 @@ def test_retention_never_deletes_the_best_checkpoint_for_an_error_of_the_process
     failing_reads(best, code)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", checkpoints.UnreadableCheckpointWarning)
-        with pytest.raises(OSError, match=str(best)):
+        with pytest.raises(OSError, match=str(best)) as raised:
             manager.save(3, _state(3), metrics={"loss": 0.9})
     manager.close()
     assert best.exists()
+    assert "nothing was deleted" in "\n".join(raised.value.__notes__)
 
 
 def test_retention_counts_a_checkpoint_with_a_disk_read_error_as_having_no_metric(

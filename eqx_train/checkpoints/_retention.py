@@ -71,6 +71,10 @@ def metric_of(
             # An unreachable store, or an error of the process (too many open files, a
             # permission), says nothing about the checkpoint: never let it make retention
             # delete the best one.
+            error.add_note(
+                f"CheckpointManager: while reading the metrics of {entry.path} to rank the "
+                "checkpoints (retention, or step='best'); nothing was deleted."
+            )
             raise
         return None, str(error)
     value = metrics.get(best_metric or "") if isinstance(metrics, dict) else None
