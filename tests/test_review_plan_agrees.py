@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import PartialRestoreWarning, plan_restore, restore_checkpoint
+from eqx_train.checkpoints import (
+    PartialRestoreWarning,
+    _format,
+    _shards,
+    plan_restore,
+    restore_checkpoint,
+)
 
 
 class Block(eqx.Module):
@@ -172,3 +178,17 @@ def test_a_plan_for_target_none_says_the_file_loads_as_saved(saved):
 def test_a_plan_for_target_none_refuses_options_that_need_a_target(saved):
     with pytest.raises(ValueError, match="rename.*target=None"):
         plan_restore(saved, None, rename={"a": "b"})
+
+
+def test_a_plan_of_a_shards_checkpoint_reads_no_tensor_data(tmp_path, monkeypatch):
+    checkpoints.save_checkpoint_multiprocess(tmp_path, SAVED, 1)
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("plan_restore read tensor data")
+
+    for reader in (_format.FileReader, _shards.ShardedReader):
+        monkeypatch.setattr(reader, "read", no_reads)
+        monkeypatch.setattr(reader, "read_many", no_reads)
+    target = _like_saved(enc={"w": jnp.zeros((2, 3), jnp.bfloat16), "b": _f32(2)})
+    plan = plan_restore(tmp_path, target, casting="same_kind")
+    assert plan.ok and list(plan.cast) == ["enc.w"]
