@@ -4,17 +4,29 @@ the processes of a multi-process job skip the same ones."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 
-from . import _coordination, _directory, _errors, _storage
+from . import _coordination, _directory, _errors, _names, _storage
 from ._restore import RESTORE_ATTEMPTS, restore_entry
 
 T = TypeVar("T")
+
+# What a local read error says when the checkpoint's own bytes are unreadable: a failing
+# disk (EIO), or a file system that found them corrupt (Linux's EFSBADCRC and EFSCORRUPTED
+# are EBADMSG and EUCLEAN). Any other OSError (too many open files, no memory, a permission,
+# an interrupted call) is about the process or the machine, not the checkpoint: falling back
+# would restore an older step and move a good newest checkpoint aside, and retention
+# (`_retention.metric_of`) would count the best checkpoint as having no metric and delete it.
+UNREADABLE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name)
+)
 
 
 class UnreadableCheckpointWarning(UserWarning):
@@ -41,7 +53,7 @@ def restore_latest_that_verifies(
     most `timeout_s` for the others."""
     caller = "CheckpointManager.restore"
     skipped: dict[str, Exception] = {}
-    tried: dict[str, _directory.Entry] = {}
+    tried: dict[str, tuple[_directory.Entry, Any]] = {}
     multiprocess = jax.process_count() > 1
     relists = 0
     listing = _directory.preferred(list_checkpoints())
@@ -55,7 +67,6 @@ def restore_latest_that_verifies(
                 )
             return target
         entry = candidates[0]
-        tried[entry.path] = entry
         outcome, restored, failure = "ok", target, None
         try:
             restored = restore_entry(store, entry, target, **options)
@@ -65,16 +76,18 @@ def restore_latest_that_verifies(
         except FileNotFoundError:
             outcome = "gone"
         except Exception as error:
-            if isinstance(error, OSError) and store.is_local:
-                # A disk read error (EIO, say) is what a fallback is for, as corruption is.
-                # (On an object store an OSError says nothing about the checkpoint: a
-                # network error must never make it skipped and moved away.)
+            if isinstance(error, OSError) and error.errno in UNREADABLE_ERRNOS and store.is_local:
+                # A disk read error is what a fallback is for, as corruption is. (On an
+                # object store an OSError says nothing about the checkpoint: a network
+                # error must never make it skipped and moved away.)
                 skipped[entry.path] = error
                 outcome = f"corrupt: {error}"
             elif not multiprocess:  # e.g. a target mismatch: no fallback
                 raise
             else:
                 failure, outcome = error, f"failed: {type(error).__name__}: {error}"
+        # The version found unreadable: only that one may be moved aside later.
+        tried[entry.path] = (entry, _version(store, entry) if entry.path in skipped else None)
         if multiprocess:
             # Each process reads only its devices' pieces: a corruption one of them
             # sees must make every one skip that checkpoint.
@@ -101,6 +114,7 @@ def restore_latest_that_verifies(
             else:
                 bad = [o for _, o in reports if o != "ok"]
                 if bad and outcome == "ok":
+                    tried[entry.path] = (entry, _version(store, entry))
                     outcome = bad[0]
                     skipped[entry.path] = _errors.CheckpointFormatError(
                         f"{entry.path}: another process found it {bad[0]}"
@@ -126,20 +140,42 @@ def restore_latest_that_verifies(
             listing = _directory.preferred(list_checkpoints())
 
 
+def _version(store: _storage.Storage, entry: _directory.Entry) -> Any:
+    """What tells one version of the checkpoint `entry` from another saved under its name
+    (the file's, or a `.shards` index's, identity), or None if it is gone."""
+    path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
+    try:
+        if store.is_local:
+            # An inode number alone may be reused once a file is deleted.
+            info = os.stat(path)
+            return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+        return store.identity(path)
+    except OSError:
+        return None
+
+
 def _quarantine(
     store: _storage.Storage,
     directory: str,
-    entries: list[_directory.Entry],
+    entries: list[tuple[_directory.Entry, Any]],
     timeout_s: int | float,
 ) -> dict[str, str]:
-    """Moves each skipped checkpoint out of the listing (`_directory.quarantine`), so that
-    it neither blocks the next save of its step nor counts as that step saved; returns,
-    for each, a sentence saying where it went (or why it could not be moved). In a
-    multi-process job process 0 moves them, and every process waits until it has."""
+    """Moves each skipped checkpoint (with the version found unreadable) out of the
+    listing (`_directory.quarantine`), so that it neither blocks the next save of its step
+    nor counts as that step saved; returns, for each, a sentence saying where it went (or
+    why it was not moved). One saved again under its name meanwhile (another manager moved
+    the corrupt one aside and saved its step) is left alone. In a multi-process job
+    process 0 moves them, and every process waits until it has."""
 
     def move() -> str:
         said = {}
-        for entry in entries:
+        for entry, version in entries:
+            if version is None or _version(store, entry) != version:
+                said[entry.path] = (
+                    "It was replaced or moved since it was found unreadable (by another "
+                    "process), so it was left as it is."
+                )
+                continue
             try:
                 new_path = _directory.quarantine(store, directory, entry)
             except OSError as error:

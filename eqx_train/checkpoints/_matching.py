@@ -10,6 +10,8 @@ prefixes, or a function); a source whose dtype differs is cast on the host when 
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
+from .._tree import path_to_name
 from . import _selection
 from ._description import LeafKind, key_impl, key_impls, kind_of
 from ._leaf_names import leaf_names
@@ -61,6 +64,9 @@ def check_options(casting: Any, rename: Any, caller: str) -> None:
         )
 
 
+_ROOT = path_to_name(())  # the name of the one leaf of a tree that is a leaf
+
+
 def _under(name: str, prefix: str) -> bool:
     """Whether `prefix` is `name` or a run of its first dot-separated segments ("" is all)."""
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
@@ -77,18 +83,25 @@ def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str |
     if rename is None:
         return name, None
     if callable(rename) and not isinstance(rename, Mapping):
-        source = rename(name)
+        try:
+            source = rename(name)
+        except Exception as error:
+            error.add_note(f"{caller}: raised by rename('{name}'), the target leaf's name")
+            raise
         if source is not None and not isinstance(source, str):
             raise TypeError(
                 f"{caller}: rename('{name}') returned {source!r}; it must return a saved "
                 "name (str) or None (the leaf keeps the target's value)."
             )
         return source, None
-    matching = [prefix for prefix in rename if _under(name, prefix)]
+    # A tree that is one leaf has the name '<root>', which is the prefix "": a root
+    # mapped to a leaf takes it, and a leaf mapped to "" takes a file of one array.
+    path = "" if name == _ROOT else name
+    matching = [prefix for prefix in rename if _under(path, prefix)]
     if not matching:
         return name, None
     prefix = max(matching, key=len)
-    return _replace(name, prefix, rename[prefix]), prefix
+    return _replace(path, prefix, rename[prefix]) or _ROOT, prefix
 
 
 def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
@@ -179,6 +192,7 @@ def match(
     chosen = _selection.selected(target, filter_spec)
     shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
     used: set[str] = set()
+    data_names: list[str] = []  # of every data leaf, for what a dead `rename` entry says
     prefixes_matched: set[str] = set()
     prefixes_found: set[str] = set()
     for index, (key_path, leaf) in enumerate(pairs):
@@ -186,15 +200,18 @@ def match(
         if kind is None:
             continue  # not data: kept from the target
         name = names[index]
+        data_names.append(name)
         source, prefix = source_of(name, rename, caller)
         if prefix is not None:
             prefixes_matched.add(prefix)
             if source in available:
                 prefixes_found.add(prefix)
         if not chosen[index] or source is None:
-            # Left out by filter_spec or given no source by rename: kept from the target,
-            # and its saved tensor (if any) is never "extra".
-            used.add(name if source is None else source)
+            # Left out by filter_spec: kept from the target, and its saved tensor (if any)
+            # is never "extra". Given no source by rename: kept, and it takes no saved
+            # tensor, so one of its name that no other leaf takes is unused.
+            if source is not None:
+                used.add(source)
             found.kept.append(name)
             continue
         is_config = (
@@ -225,17 +242,22 @@ def match(
         file_shape, file_dtype = available[source]
         if dtype is not None:
             shared_arrays.append((file_shape, file_dtype, shape, dtype))
-        numeric = file_dtype.kind in "biuf"
-        cast = dtype is not None and file_dtype != dtype
-        allowed = not cast or (
-            kind.name != "prng_key" and np.can_cast(file_dtype, np.dtype(dtype), casting)
+        # A Python scalar takes a saved value that converts exactly; a saved bool never
+        # does into an int or a float (`_description`'s fill refuses it whatever its
+        # value), which the header already says.
+        numeric = file_dtype.kind in (
+            "biuf" if is_config or kind.scalar_type in (None, bool) else "iuf"
         )
+        cast = dtype is not None and file_dtype != dtype
+        # Key data is never cast, whether the target or the file holds the key.
+        is_key = kind.name == "prng_key" or source in saved_keys
+        allowed = not cast or (not is_key and np.can_cast(file_dtype, np.dtype(dtype), casting))
         if file_shape != shape or (dtype is None and not numeric) or not allowed:
             found.mismatched.append(source)
             found.problems.append(
                 f"{label}: file has {_describe(file_shape, file_dtype)}, target expects "
                 f"{expectation}"
-                + _why_not_cast(kind, file_shape == shape and cast, file_dtype, dtype, casting)
+                + _why_not_cast(is_key, file_shape == shape and cast, file_dtype, dtype, casting)
             )
             continue
         slot = Slot(index, name, source, kind, dtype if cast else None)
@@ -253,34 +275,49 @@ def match(
             found.problems.append(
                 f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
             )
-    found.problems.extend(_rename_problems(rename, prefixes_matched, prefixes_found, strict))
+    found.problems.extend(
+        _rename_problems(rename, data_names, prefixes_matched, prefixes_found, strict)
+    )
     if found.problems:
         found.hint = _selection.replicated_hint(shared_arrays)
     return found
 
 
 def _why_not_cast(
-    kind: LeafKind, dtype_only: bool, saved: np.dtype, target: Any, casting: str
+    is_key: bool, dtype_only: bool, saved: np.dtype, target: Any, casting: str
 ) -> str:
     """The end of a dtype refusal: what would allow the cast, if anything."""
     if not dtype_only:
         return ""
-    if kind.name == "prng_key":
+    if is_key:
         return " (PRNG key data is never cast)"
     needed = loosest_needed(saved, target)
     return f"; casting={needed!r} would allow it (now casting={casting!r})" if needed else ""
 
 
-def _rename_problems(rename: Rename, matched: set[str], found: set[str], strict: bool) -> list[str]:
-    """A `rename` entry that applies to no target leaf, or (with `strict=False`, where a
-    missing leaf is no problem of its own) whose saved prefix holds no tensor: a typo."""
+def _rename_problems(
+    rename: Rename, names: list[str], matched: set[str], found: set[str], strict: bool
+) -> list[str]:
+    """A `rename` entry that applies to no target leaf (none is under it, or a longer
+    prefix takes each one that is), or (with `strict=False`, where a missing leaf is no
+    problem of its own) whose saved prefix holds no tensor: a typo."""
     if rename is None or callable(rename) and not isinstance(rename, Mapping):
         return []
-    problems = [
-        f"rename {{{prefix!r}: {by!r}}}: no target leaf is named '{prefix}' or under it"
-        for prefix, by in rename.items()
-        if prefix not in matched
-    ]
+    problems = []
+    for prefix, by in rename.items():
+        if prefix in matched:
+            continue
+        under = [name for name in names if _under(name, prefix)]
+        if not under:
+            problems.append(
+                f"rename {{{prefix!r}: {by!r}}}: no target leaf is named '{prefix}' or under it"
+            )
+            continue
+        longer = sorted({p for p in matched if _under(p, prefix)}, key=len)
+        problems.append(
+            f"rename {{{prefix!r}: {by!r}}}: applies to no leaf, as a longer prefix takes "
+            f"each one under '{prefix}' ({_some(longer)}); remove it or the longer one"
+        )
     if not strict:
         problems += [
             f"rename {{{prefix!r}: {by!r}}}: the file has no tensor for any target leaf under "
@@ -315,5 +352,25 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
                 f"{caller}: {path} restored partially (strict=False):\n  {listed}\n"
                 "plan_restore lists them all before restoring."
             ),
-            stacklevel=6,  # the caller of restore_checkpoint
+            stacklevel=outside_stacklevel(sys._getframe()),
         )
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Run-time type checkers (jaxtyping's import hook, as the test suite runs) wrap each
+# function of the package in frames of their own.
+_WRAPPERS = ("jaxtyping", "beartype", "typeguard")
+
+
+def outside_stacklevel(frame: Any) -> int:
+    """The `stacklevel` of the first frame outside eqx_train, for a warning raised in
+    `frame`: the user's call (of `restore_checkpoint`, a manager's `restore`...), however
+    many of the package's own frames lie between."""
+    level = 1
+    while frame.f_back is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+        or frame.f_code.co_filename.startswith("<@beartype")
+        or str(frame.f_globals.get("__name__", "")).partition(".")[0] in _WRAPPERS
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

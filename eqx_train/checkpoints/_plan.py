@@ -41,7 +41,10 @@ class RestorePlan:
 
     @property
     def ok(self) -> bool:
-        """Whether the restore would succeed (no problems)."""
+        """Whether the restore would succeed (no problems). One thing only the restore
+        can tell, since a plan reads no tensor data: whether the saved value of a Python
+        scalar leaf (an `int`, `float` or `bool` in a dict, list or tuple) converts exactly,
+        as it must (0.5 into a `bool` is refused, naming the leaf)."""
         return not self.problems
 
     def __str__(self) -> str:
@@ -86,7 +89,9 @@ def plan_restore(
 
     - `ckpt_dir`, `step`, `prefix`, `storage_options`: which checkpoint, as for
       `restore_checkpoint`.
-    - `target`: the pytree a restore would fill (arrays or `jax.ShapeDtypeStruct`s).
+    - `target`: the pytree a restore would fill (arrays or `jax.ShapeDtypeStruct`s), or
+      None: every tensor taken as saved (then `rename`, `casting` and `filter_spec`,
+      which apply to a target's leaves, are refused).
     - `strict`, `rename`, `casting`, `filter_spec`, `config`: as for `restore_checkpoint`.
 
     **Returns:**
@@ -103,11 +108,28 @@ def plan_restore(
     caller = "plan_restore"
     _selection.check_config(config, caller)
     _matching.check_options(casting, rename, caller)
+    if target is None:
+        given = [
+            name
+            for name, set_ in [
+                ("rename", rename is not None),
+                ("casting", casting != "no"),
+                ("filter_spec", filter_spec is not None),
+            ]
+            if set_
+        ]
+        if given:
+            raise ValueError(
+                f"{caller}: {', '.join(given)} applies to a target's leaves, but "
+                "target=None loads the file as saved; pass the target to plan for."
+            )
     store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
     entry, _ = _restore._resolve(store, where, step, prefix)
     if entry is None:
         raise FileNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
     with _restore.open_reader(store, entry) as reader:
+        if target is None:  # the restore loads every tensor as saved
+            return RestorePlan(reader.path, {n: n for n in reader.arrays()}, {}, [], [], [])
         found = _matching.match(
             reader,
             target,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from . import _directory, _format, _names, _storage
-from ._fallback import UnreadableCheckpointWarning
+from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
+from ._matching import outside_stacklevel
 from ._names import METRICS_KEY as _METRICS_KEY
 from ._restore import RESTORE_ATTEMPTS
 
@@ -63,9 +65,16 @@ def metric_of(
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as error:
-        if isinstance(error, OSError) and not store.is_local:
-            # An unreachable store says nothing about the checkpoint: never let a
-            # network error make retention delete the best one.
+        if isinstance(error, OSError) and (
+            not store.is_local or error.errno not in UNREADABLE_ERRNOS
+        ):
+            # An unreachable store, or an error of the process (too many open files, a
+            # permission), says nothing about the checkpoint: never let it make retention
+            # delete the best one.
+            error.add_note(
+                f"CheckpointManager: while reading the metrics of {entry.path} to rank the "
+                "checkpoints (retention, or step='best'); nothing was deleted."
+            )
             raise
         return None, str(error)
     value = metrics.get(best_metric or "") if isinstance(metrics, dict) else None
@@ -124,7 +133,7 @@ class Ranking:
                     f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
                     "it counts as having none.",
                     UnreadableCheckpointWarning,
-                    stacklevel=4,
+                    stacklevel=outside_stacklevel(sys._getframe()),
                 )
         usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
         sign = 1.0 if mode == "min" else -1.0

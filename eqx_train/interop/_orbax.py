@@ -245,7 +245,17 @@ class OrbaxReader:
         """Each directory below `top` once, through symbolic links too (a link back to a
         directory walked already is not followed again), with its files."""
         seen: set[tuple[int, int]] = set()
-        for root, dirs, files in os.walk(top, followlinks=True):
+
+        def unlisted(error: OSError) -> None:
+            # A directory that cannot be listed (searchable, not readable: a crafted
+            # archive can set that) would hide its links from the checks, while
+            # tensorstore still opens the files in it by name.
+            raise self.bad(
+                f"{error.filename} cannot be listed ({error.strerror}), so what it holds "
+                "cannot be checked; make it readable"
+            )
+
+        for root, dirs, files in os.walk(top, followlinks=True, onerror=unlisted):
             info = os.stat(root)
             if (info.st_dev, info.st_ino) in seen:
                 dirs[:] = []
