@@ -7,6 +7,7 @@ byte sources under them) reports what is wrong with a file as
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,3 +31,23 @@ def short(value: Any, limit: int = 80) -> str:
     """`repr(value)`, cut to `limit` characters: error messages stay one line."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Run-time type checkers (jaxtyping's import hook, as the test suite runs) wrap each
+# function of the package in frames of their own.
+_WRAPPERS = ("jaxtyping", "beartype", "typeguard")
+
+
+def outside_stacklevel(frame: Any) -> int:
+    """The `stacklevel` of the first frame outside eqx_train, for a warning raised in
+    `frame`: the user's call (of `restore_checkpoint`, a manager's `restore`...), however
+    many of the package's own frames lie between."""
+    level = 1
+    while frame.f_back is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+        or frame.f_code.co_filename.startswith("<@beartype")
+        or str(frame.f_globals.get("__name__", "")).partition(".")[0] in _WRAPPERS
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -10,7 +10,6 @@ prefixes, or a function); a source whose dtype differs is cast on the host when 
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ else:  # imported on first use: the command line reads headers without JAX
 from .._tree import path_to_name
 from . import _selection
 from ._description import LeafKind, key_impl, key_impls, kind_of
+from ._errors import outside_stacklevel
 from ._leaf_names import leaf_names
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
@@ -354,23 +354,3 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
             ),
             stacklevel=outside_stacklevel(sys._getframe()),
         )
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# Run-time type checkers (jaxtyping's import hook, as the test suite runs) wrap each
-# function of the package in frames of their own.
-_WRAPPERS = ("jaxtyping", "beartype", "typeguard")
-
-
-def outside_stacklevel(frame: Any) -> int:
-    """The `stacklevel` of the first frame outside eqx_train, for a warning raised in
-    `frame`: the user's call (of `restore_checkpoint`, a manager's `restore`...), however
-    many of the package's own frames lie between."""
-    level = 1
-    while frame.f_back is not None and (
-        os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
-        or frame.f_code.co_filename.startswith("<@beartype")
-        or str(frame.f_globals.get("__name__", "")).partition(".")[0] in _WRAPPERS
-    ):
-        frame, level = frame.f_back, level + 1
-    return level

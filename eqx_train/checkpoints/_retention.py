@@ -15,8 +15,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from . import _directory, _format, _names, _storage
+from ._errors import outside_stacklevel
 from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
-from ._matching import outside_stacklevel
 from ._names import METRICS_KEY as _METRICS_KEY
 from ._restore import RESTORE_ATTEMPTS
 

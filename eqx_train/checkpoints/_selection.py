@@ -21,6 +21,8 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
+from ._errors import outside_stacklevel
+
 Config = Literal["target", "saved"]
 CONFIG_CHOICES = ("target", "saved")
 
@@ -126,7 +128,7 @@ def warn_config(path: str, differences: list[str], caller: str) -> None:
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),
-        stacklevel=_user_stacklevel(sys._getframe()),
+        stacklevel=outside_stacklevel(sys._getframe()),
     )
 
 
@@ -149,17 +151,3 @@ def replicated_hint(pairs: list[tuple[tuple[int, ...], Any, tuple[int, ...], Any
         "saved replicated? Call eqx_train.unreplicate before saving, or restore into a "
         "replicated target (eqx_train.replicate(target))."
     )
-
-
-def _user_stacklevel(warning_frame: Any) -> int:
-    """The `stacklevel` of the first frame outside eqx_train, seen from `warning_frame` (of
-    the function that calls `warnings.warn`): the user's line, whichever public function
-    (restore_checkpoint, CheckpointManager.restore, an interop loader) the restore went
-    through. Run-time type checkers' wrappers (jaxtyping, beartype) are skipped too."""
-    frame, level = warning_frame.f_back, 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(_OUR_FRAMES):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_OUR_FRAMES = ("eqx_train.", "jaxtyping", "beartype")
