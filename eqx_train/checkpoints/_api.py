@@ -503,7 +503,9 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     _selection.check_config(config, "restore_checkpoint")
-    _matching.check_options(casting, rename, "restore_checkpoint")
+    _matching.check_options(
+        casting, rename, "restore_checkpoint", target=target, filter_spec=filter_spec
+    )
     _transfer.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(

@@ -463,7 +463,9 @@ class CheckpointManager:
         them skip it.
         """
         _selection.check_config(config, "CheckpointManager.restore")
-        _matching.check_options(casting, rename, "CheckpointManager.restore")
+        _matching.check_options(
+            casting, rename, "CheckpointManager.restore", target=target, filter_spec=filter_spec
+        )
         self.wait()
         options: dict[str, Any] = {
             "config": config,

@@ -41,7 +41,9 @@ _LISTED_NAMES = 5  # names a PartialRestoreWarning shows of each list before a c
 
 class PartialRestoreWarning(UserWarning):
     """A restore with `strict=False` left some target leaves with the target's values (the
-    checkpoint has no tensor for them) or left some saved tensors unused.
+    checkpoint has no tensor for them) or left some saved tensors unused; or a restore into
+    an abstract target (`jax.ShapeDtypeStruct` leaves) returns some of them unfilled, as
+    placeholders (left out by `filter_spec` or `rename`, or missing with `strict=False`).
 
     The message says how many of each and names the first few. `plan_restore` lists them
     all before restoring; `warnings.simplefilter("ignore", PartialRestoreWarning)` silences
@@ -49,8 +51,27 @@ class PartialRestoreWarning(UserWarning):
     """
 
 
-def check_options(casting: Any, rename: Any, caller: str) -> None:
-    """Raises, naming `caller`, for a `casting` or `rename` of the wrong kind."""
+def check_options(
+    casting: Any, rename: Any, caller: str, *, target: Any = (), filter_spec: Any = None
+) -> None:
+    """Raises, naming `caller`, for a `casting` or `rename` of the wrong kind, and for any of
+    `rename`, `casting`, `filter_spec` given with `target=None` (which loads the file as
+    saved: they would be ignored)."""
+    if target is None:
+        given = [
+            name
+            for name, is_set in [
+                ("rename", rename is not None),
+                ("casting", casting != "no"),
+                ("filter_spec", filter_spec is not None),
+            ]
+            if is_set
+        ]
+        if given:
+            raise ValueError(
+                f"{caller}: {', '.join(given)} applies to a target's leaves, but "
+                "target=None loads the file as saved; pass the target to restore into."
+            )
     if casting not in CASTINGS:
         raise ValueError(f"{caller}: casting must be one of {CASTINGS}, got {casting!r}.")
     if rename is None or callable(rename):
@@ -141,6 +162,7 @@ class Match:
 
     leaves: list[Any]
     treedef: Any
+    names: list[str]  # of every leaf, as the file names them
     slots: list[Slot] = field(default_factory=list)  # arrays, taken
     config_slots: list[Slot] = field(default_factory=list)  # module scalars, compared
     taken: dict[str, str] = field(default_factory=dict)
@@ -188,7 +210,7 @@ def match(
     saved_keys = saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
     names = leaf_names(target, available, reader.path, caller)  # eqx.nn.State: by marker
-    found = Match([leaf for _, leaf in pairs], treedef)
+    found = Match([leaf for _, leaf in pairs], treedef, names)
     chosen = _selection.selected(target, filter_spec)
     shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
     used: set[str] = set()
@@ -351,6 +373,26 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
             PartialRestoreWarning(
                 f"{caller}: {path} restored partially (strict=False):\n  {listed}\n"
                 "plan_restore lists them all before restoring."
+            ),
+            stacklevel=outside_stacklevel(sys._getframe()),
+        )
+
+
+def warn_placeholders(path: str, found: Match, leaves: list[Any], caller: str) -> None:
+    """One `PartialRestoreWarning` naming the leaves of an abstract target that a restore
+    returns as `jax.ShapeDtypeStruct` placeholders; nothing when there are none."""
+    names = [
+        name
+        for name, leaf in zip(found.names, leaves, strict=True)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if names:
+        warnings.warn(
+            PartialRestoreWarning(
+                f"{caller}: {len(names)} leaves of the abstract target were not restored "
+                f"from {path} and come back as jax.ShapeDtypeStruct placeholders: "
+                f"{_some(names)}. Give them values (e.g. eqx.combine with a concrete tree) "
+                "before use, or restore them too (filter_spec, rename, strict)."
             ),
             stacklevel=outside_stacklevel(sys._getframe()),
         )

@@ -107,22 +107,7 @@ def plan_restore(
     """
     caller = "plan_restore"
     _selection.check_config(config, caller)
-    _matching.check_options(casting, rename, caller)
-    if target is None:
-        given = [
-            name
-            for name, set_ in [
-                ("rename", rename is not None),
-                ("casting", casting != "no"),
-                ("filter_spec", filter_spec is not None),
-            ]
-            if set_
-        ]
-        if given:
-            raise ValueError(
-                f"{caller}: {', '.join(given)} applies to a target's leaves, but "
-                "target=None loads the file as saved; pass the target to plan for."
-            )
+    _matching.check_options(casting, rename, caller, target=target, filter_spec=filter_spec)
     store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
     entry, _ = _restore._resolve(store, where, step, prefix)
     if entry is None:

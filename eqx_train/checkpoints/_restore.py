@@ -332,7 +332,7 @@ def restore_from(
     )
     with closing(reads):
         for name, array in reads:
-            for slot in whole[name]:  # several leaves when rename ties them to one tensor
+            for tied, slot in enumerate(whole[name]):  # several when rename ties leaves
                 try:
                     leaf = slot.kind.fill(
                         leaves[slot.index], _matching.cast_on_host(array, slot.cast)
@@ -340,6 +340,8 @@ def restore_from(
                 except ValueError as error:
                     problems.append(f"'{slot.target}': {error}")
                     continue
+                if tied and isinstance(leaf, np.ndarray):
+                    leaf = leaf.copy()  # NumPy leaves are mutable: tied ones must not alias
                 # On the device before its host bytes count as released (an accelerator
                 # copies them asynchronously; a CPU device adopts them).
                 if isinstance(leaf, jax.Array):
@@ -382,6 +384,7 @@ def restore_from(
         _selection.warn_config(reader.path, differences, caller)
     if not strict:
         _matching.warn_partial(reader.path, found, caller)
+    _matching.warn_placeholders(reader.path, found, leaves, caller)
     return jtu.tree_unflatten(found.treedef, leaves)
 
 
