@@ -25,11 +25,13 @@ from . import (
     _names,
     _restore,
     _selection,
-    _transfer,
+    _snapshot,
+    _window,
 )
 from ._async import AsyncManager
+from ._snapshot import SnapshotMode
 from ._storage import Storage
-from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
+from ._window import DEFAULT_HOST_WINDOW_BYTES
 
 T = TypeVar("T")
 
@@ -164,7 +166,7 @@ def save_pipeline(
     number = _multiprocess.begin_save() if multiprocess else None
 
     def prepare() -> tuple[Storage, str, Decimal, str, str, Any, list, dict]:
-        _transfer.check_options(snapshot, host_window_bytes, caller)
+        _snapshot.check_options(snapshot, host_window_bytes, caller)
         store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
         if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
             # On an object store nobody can tell a live writer's uncommitted pieces from a
@@ -181,7 +183,8 @@ def save_pipeline(
         except ValueError as error:
             raise ValueError(f"{caller}: {error}") from None
         if async_manager is not None:
-            async_manager.wait_previous_save()
+            # At most one save in flight (a multi-process save: none) from here on.
+            async_manager.wait_until(0 if multiprocess else 1)
         store.start_deadline()  # every request of this save, from here on, shares one budget
         description, tensors = _description.describe(
             _selection.filtered_for_saving(target, filter_spec),
@@ -192,6 +195,14 @@ def save_pipeline(
         extra = extra_metadata() if callable(extra_metadata) else extra_metadata
         metadata = {**_format.base_metadata(step_text, description), **(extra or {})}
         _format.check_header_size(tensors, metadata, caller)
+        if async_manager is not None and async_manager.in_flight():
+            # Queued behind the save being written only where its snapshot fits next to
+            # that save's; otherwise (and for a step that is not newer) wait for it.
+            if not (
+                async_manager.may_queue((where, prefix), value)
+                and _snapshot.another_fits(tensors, snapshot)
+            ):
+                async_manager.wait_previous_save()
         store.makedirs(where)
         _directory.check_newer(store, where, prefix, value, step_text, overwrite, caller)
         return store, where, value, step_text, name, description, tensors, metadata
@@ -221,8 +232,8 @@ def save_pipeline(
         try:
             if async_manager is not None:
                 # The caller may mutate or donate its buffers as soon as we return.
-                tensors = _transfer.snapshot(
-                    tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
+                tensors = _snapshot.snapshot(
+                    tensors, snapshot, caller=caller, warn=_snapshot.warn_once_per(async_manager)
                 )
             planned = _multiprocess.plan_pieces(tensors, jax.process_index())
         except Exception as error:  # reported when the pieces are collected
@@ -254,8 +265,8 @@ def save_pipeline(
     else:
         if async_manager is not None:
             # The caller may mutate or donate its buffers as soon as we return.
-            tensors = _transfer.snapshot(
-                tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
+            tensors = _snapshot.snapshot(
+                tensors, snapshot, caller=caller, warn=_snapshot.warn_once_per(async_manager)
             )
 
         def commit() -> None:
@@ -276,13 +287,13 @@ def save_pipeline(
 
     def commit_within_window() -> None:
         try:
-            with _transfer.host_window_bytes(host_window_bytes):
+            with _window.host_window_bytes(host_window_bytes):
                 commit()
         finally:
-            _transfer.release(tensors)  # what the snapshot still holds, written or not
+            _snapshot.release(tensors)  # what the snapshot still holds, written or not
 
     if async_manager is not None:
-        async_manager.save_async(commit_within_window)
+        async_manager.save_async(commit_within_window, (ckpt_dir, prefix), value)
     else:
         commit_within_window()
     return final_path
@@ -470,7 +481,7 @@ def restore_checkpoint(
     corrupt or fails a checksum. Only the tensors the target needs are read from disk.
     """
     _selection.check_config(config, "restore_checkpoint")
-    _transfer.check_window(host_window_bytes, "restore_checkpoint")
+    _window.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
         store,

@@ -35,7 +35,8 @@ from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
 from ._shards import ShardedReader
 from ._storage import Storage
-from ._transfer import DEFAULT_HOST_WINDOW_BYTES, HostWindow, windowed_reads
+from ._transfer import windowed_reads
+from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
@@ -373,19 +374,15 @@ def restore_from(
         lambda name: math.prod(available[name][0]) * available[name][1].itemsize,
         lambda group: reader.read_many(group, verify=verify, parallel=parallel),
         HostWindow(host_window_bytes),
+        settle=lambda group: settle_placed([leaves[whole[name][0]] for name in group]),
     )
     with closing(reads):
         for name, array in reads:
             index, kind = whole[name]
             try:
-                leaves[index] = kind.fill(leaves[index], array)
+                leaves[index] = place(kind, leaves[index], array)
             except ValueError as error:
                 problems.append(f"'{name}': {error}")
-                continue
-            # On the device before its host bytes count as released (an accelerator copies
-            # them asynchronously; a CPU device adopts them).
-            if isinstance(leaves[index], jax.Array):
-                leaves[index].block_until_ready()
     for index, name, _ in slots:
         if name not in whole:
             leaves[index] = _read_blockwise(reader, name, leaves[index], verify)
@@ -401,6 +398,22 @@ def restore_from(
     if differences:
         _selection.warn_config(reader.path, differences, caller)
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:
+    """The restored leaf for `target` from its host bytes `array`: on the target's devices
+    for an array target. The transfer is started, not waited for; `settle_placed` waits.
+    (Raises `ValueError` if `array` cannot fill `target`.)"""
+    with stage("place"):
+        return kind.fill(target, array)
+
+
+def settle_placed(placed: Sequence[Any]) -> None:
+    """Waits until the leaves `placed` are on their devices, so that the host bytes they came
+    from can be let go (an accelerator copies them asynchronously; a CPU device adopts
+    them): once per window group, not once per leaf."""
+    with stage("place"):
+        jax.block_until_ready([leaf for leaf in placed if isinstance(leaf, jax.Array)])
 
 
 def _saved_key_impls(reader: Reader) -> dict[str, str]:
