@@ -88,8 +88,8 @@ def test_a_restore_waits_for_its_devices_once_per_window_group(tmp_path, monkeyp
     monkeypatch.setattr(
         _restore, "settle_placed", lambda placed: (settled.append(len(placed)), real(placed))
     )
-    restored = checkpoints.restore_checkpoint(tmp_path, state, host_window_bytes=4 * LEAF)
-    assert settled == [2, 2, 2, 2]  # groups of half the window, each synchronised once
+    restored = checkpoints.restore_checkpoint(tmp_path, state, host_window_bytes=8 * LEAF)
+    assert settled == [2, 2, 2, 2]  # groups of a quarter of the window, each waited for once
     assert_trees_equal(restored, state)
 
 

@@ -20,11 +20,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._window import Cancelled, HostWindow, add_stage, timing
+
+# A restore reads up to this many groups of leaves at once, each a share of the window.
+_GROUPS_PER_WINDOW = 4
 
 if TYPE_CHECKING:
     import jax
@@ -199,33 +203,35 @@ def windowed_reads(
     window: HostWindow,
     settle: Callable[[list[str]], None] | None = None,
 ) -> Generator[tuple[str, np.ndarray], None, None]:
-    """`(name, host array)` for every name, in order, read in groups of at most half the
-    window (at least one leaf each): a background thread reads (and verifies) the next
-    group while the caller places the current one on its devices.
+    """`(name, host array)` for every name, in order, read in groups of at most a quarter of
+    the window (at least one leaf each): background threads read (and verify) the next
+    groups, several at once while they fit in the window, while the caller places the
+    current one on its devices.
 
     Once the caller asks for the leaf after a group, `settle(group)` is called (it waits
     until the group's leaves are on their devices: one synchronisation per group, not per
     leaf), then the group's bytes count as released. Errors of the reads are raised here.
     Closing the generator early, or an interrupt anywhere in it, cancels `window` (`window`
-    belongs to this call alone): the reader thread stops, even while it waits for room, and
+    belongs to this call alone): the reader threads stop, even while waiting for room, and
     every byte still held is released before the generator finishes.
     """
     groups: list[list[str]] = []
     size = 0
     for name in names:
-        if not groups or (size + nbytes(name) > window.limit // 2 and groups[-1]):
+        if not groups or (size + nbytes(name) > window.limit // _GROUPS_PER_WINDOW and groups[-1]):
             groups.append([])
             size = 0
         groups[-1].append(name)
         size += nbytes(name)
-    done = queue.SimpleQueue()  # (group, arrays, bytes), then None; or an exception
+    done = queue.SimpleQueue()  # (group, pending read, bytes), then None; or an exception
+    reads = ThreadPoolExecutor(_GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
 
     def read_ahead() -> None:
         try:
             for group in groups:
                 held = sum(nbytes(n) for n in group)
                 window.acquire(held)  # raises Cancelled once the caller is gone
-                done.put((group, read_many(group), held))
+                done.put((group, reads.submit(read_many, group), held))
             done.put(None)
         except Cancelled:
             return
@@ -242,16 +248,18 @@ def windowed_reads(
                 break
             if isinstance(item, BaseException):
                 raise item
-            group, arrays, held = item
+            group, pending, held = item
+            arrays = pending.result()
             for name in group:
                 yield name, arrays.pop(name)
             if settle is not None:
                 settle(group)
             window.release(held)
-            del item, arrays
+            del item, pending, arrays
     finally:
         # Whatever was taken, read or in flight when this ends (an interrupt may land
         # between any two lines above) is released here, from the window's own count.
         window.cancel()
         reader.join()
+        reads.shutdown(wait=True, cancel_futures=True)
         window.release_all()
