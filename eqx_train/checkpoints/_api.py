@@ -82,17 +82,20 @@ def save_checkpoint(
     - `keep_every_n_steps`: additionally keep older checkpoints, by flax's rule: walking the
       checkpoints older than the newest `keep` from the oldest, keep a step when it is at
       least this many steps past the last step kept this way (step 0 is never kept by it).
-    - `async_manager`: if given, snapshot `target` now and write in the background; a later
-      save waits for this one and raises its error. The caller may donate or overwrite its
-      buffers as soon as this returns (see [Checkpointing on GPUs](../checkpointing_on_gpus.md)).
+    - `async_manager`: if given, snapshot `target` now and write in the background; a save
+      asked for while this one is written is queued behind it (at most two snapshots held,
+      memory allowing; else it waits), and raises this one's error if it failed. The caller
+      may donate or overwrite its buffers as soon as this returns (see
+      [Checkpointing on GPUs](../checkpointing_on_gpus.md)).
     - `snapshot`: how an async save snapshots the array leaves. `"device"`: a copy on their
       own devices (one jitted copy, same shardings; costs 1× their size in device memory
-      until each leaf is written); `"host"`: a copy in host memory, leaf by leaf, before
-      returning (blocks for the transfer; costs 1× the state in host memory); `"auto"`
-      (default): on the devices when the copy fits in their free memory, else on the host,
-      with a warning the first time; on CPU devices, no copy: their buffers are held in
-      place (the runtime does not donate them) until written. NumPy and scalar leaves are
-      always copied on the host.
+      until each leaf is written; `MemoryError`, naming the bytes needed and free, and
+      nothing saved, if the devices have no room for it); `"host"`: a copy in host
+      memory, leaf by leaf, before returning (blocks for the transfer; costs 1× the state
+      in host memory); `"auto"` (default): on the devices when the copy fits in their free
+      memory, else on the host, with a warning the first time; on CPU devices, no copy:
+      their buffers are held in place (the runtime does not donate them) until written.
+      NumPy and scalar leaves are always copied on the host.
       Ignored without `async_manager`.
     - `host_window_bytes`: the most leaf bytes the save holds on the host at once (at least
       one leaf); default 256 MiB. The next leaves' transfers run while earlier ones are
