@@ -190,3 +190,16 @@ def test_an_interrupt_while_waiting_for_an_async_save_leaves_it_tracked(
             manager.close()
         else:
             manager.wait_previous_save()
+
+
+def test_a_failed_save_that_nobody_waited_for_is_reported_at_exit(tmp_path, monkeypatch, capsys):
+    go, writing = _writer_that_fails_when_told(monkeypatch)
+    manager = checkpoints.AsyncManager()
+    checkpoints.save_checkpoint(tmp_path, _state(), 1, async_manager=manager)
+    go.set()
+    assert manager.save_future is not None
+    assert isinstance(manager.save_future.exception(timeout=60), OSError)
+    manager._report_unwaited_failure()  # what the interpreter's exit runs for each manager
+    assert "failed and was never waited for: OSError" in capsys.readouterr().err
+    with pytest.raises(OSError):  # and it is still there to be raised
+        manager.wait_previous_save()
