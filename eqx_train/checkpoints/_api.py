@@ -200,9 +200,11 @@ def save_pipeline(
         _format.check_header_size(tensors, metadata, caller)
         if async_manager is not None and async_manager.in_flight():
             # Queued behind the save being written only where its snapshot fits next to
-            # that save's; otherwise (and for a step that is not newer) wait for it.
+            # that save's; otherwise (and for a step that is not newer, or a save to an
+            # object store, whose request budget has started) wait for it.
             if not (
-                async_manager.may_queue((where, prefix), value)
+                store.is_local
+                and async_manager.may_queue((where, prefix), value)
                 and _snapshot.another_fits(tensors, snapshot)
             ):
                 async_manager.wait_previous_save()

@@ -30,7 +30,8 @@ class AsyncManager:
     write queued behind the running one. At most two snapshots are held so, the one being
     written and one queued: a third save waits for the first, and a save that would not
     fit next to the running one's snapshot (or is not for a newer step of the same
-    checkpoints) waits for it, as the fallback rules of `snapshot` then apply.
+    checkpoints, or goes to an object store or a multi-process checkpoint) waits for it;
+    the rules of `snapshot` then apply to it as to any save.
 
     **Arguments:**
 
