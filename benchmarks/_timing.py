@@ -54,13 +54,17 @@ def median_seconds(run: Callable[[], object], *, repeats: int = 5, number: int =
     return statistics.median(samples)
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+def format_table(title: str, header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
+    lines = ["", title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
     for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(format_table(title, header, rows))
 
 
 def write_and_fsync(path: str, arrays: Iterable[np.ndarray]) -> None:

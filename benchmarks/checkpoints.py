@@ -7,7 +7,10 @@ eqx_train. Each save ends with the data durable (fsync) where the library does s
 read a file just written (page cache). Peak extra memory while saving is sampled from RSS.
 Also measures restoring one leaf of the 1 GiB checkpoint.
 
-    python benchmarks/checkpoints.py [--sizes 256 1024] [--repeats 3]
+    python benchmarks/checkpoints.py [--sizes 256 1024] [--repeats 3] [--methods raw eqx_train]
+
+Prints, per size, a breakdown of one eqx_train save and restore by stage (seconds busy
+waiting for transfers, hashing, writing, fsync, reading, verifying, placing).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np  # noqa: E402
 from _timing import PeakRSS, print_table, write_and_fsync  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
+from eqx_train.checkpoints import _window  # noqa: E402
 
 
 def make_tree(total_mib: int, leaves: int) -> dict[str, jax.Array]:
@@ -151,10 +155,9 @@ except ImportError:  # optional: compared only where it installs
     pass
 
 
-def measure(tree, base_dir: str, repeats: int) -> dict[str, dict[str, float]]:
+def measure(tree, base_dir: str, repeats: int, names: list[str]) -> dict[str, dict[str, float]]:
     """Runs every method once per repeat, rotating the order so that no method always meets
     a cold allocator (first-touch page faults dominate fresh allocations on this machine)."""
-    names = list(METHODS)
     samples: dict[str, dict[str, list[float]]] = {
         n: {"save_s": [], "restore_s": [], "save_extra_mib": []} for n in names
     }
@@ -197,19 +200,46 @@ def one_leaf_restore(tree, base_dir: str) -> tuple[float, float]:
     return one, time.perf_counter() - start
 
 
+def stage_breakdown(tree, base_dir: str) -> dict[str, dict[str, float]]:
+    """Seconds each stage of one eqx_train save and one restore was busy (stages that
+    overlap add up to more than the wall time)."""
+    directory = os.path.join(base_dir, "stages")
+    drop_dir(directory)
+    result = {}
+    for what, run in [
+        ("save", lambda: ours_save(tree, directory)),
+        ("restore", lambda: jax.block_until_ready(ours_restore(tree, directory))),
+    ]:
+        with _window.stage_times() as times:
+            start = time.perf_counter()
+            run()
+            times["wall"] = time.perf_counter() - start
+        result[what] = dict(times)
+    drop_dir(directory)
+    return result
+
+
+STAGES = ["wall", "transfer", "hash", "write", "fsync", "read", "verify", "place"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="MiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--methods", nargs="+", default=None, help="first words of the methods (default: all)"
+    )
     args = parser.parse_args()
+    names = [n for n in METHODS if args.methods is None or n.split()[0].rstrip(",") in args.methods]
+    names = list(dict.fromkeys(["raw write+fsync / read", *names]))  # the reference, always
     summary: dict[str, float] = {}
     base_dir = tempfile.mkdtemp(prefix="eqx_train_bench_", dir=args.dir)
     try:
         for size in args.sizes:
             leaves = 16 if size <= 256 else 32
             tree = make_tree(size, leaves)
-            results = measure(tree, base_dir, args.repeats)
+            results = measure(tree, base_dir, args.repeats, names)
             raw = results["raw write+fsync / read"]
             rows = []
             for name, r in results.items():
@@ -229,13 +259,25 @@ def main() -> None:
                 ["method", "save ms", "vs raw", "restore ms", "vs raw", "save extra MiB"],
                 rows,
             )
-            ours, flax = results["eqx_train"], results["flax msgpack"]
+            stages = stage_breakdown(tree, base_dir)
+            print_table(
+                "eqx_train stage breakdown, seconds busy (overlapping stages add up to more)",
+                ["", *STAGES],
+                [[w, *(f"{t.get(s, 0.0):.3f}" for s in STAGES)] for w, t in stages.items()],
+            )
+            summary[f"stages_{size}MiB"] = {
+                w: {s: round(v, 4) for s, v in t.items()} for w, t in stages.items()
+            }
+            ours = results["eqx_train"]
             summary[f"save_vs_raw_{size}MiB"] = round(ours["save_s"] / raw["save_s"], 3)
             summary[f"restore_vs_raw_{size}MiB"] = round(ours["restore_s"] / raw["restore_s"], 3)
-            summary[f"flax_save_vs_ours_{size}MiB"] = round(flax["save_s"] / ours["save_s"], 2)
-            summary[f"flax_restore_vs_ours_{size}MiB"] = round(
-                flax["restore_s"] / ours["restore_s"], 2
-            )
+            if "flax msgpack" in results:
+                flax = results["flax msgpack"]
+                summary[f"flax_save_vs_ours_{size}MiB"] = round(flax["save_s"] / ours["save_s"], 2)
+                summary[f"flax_restore_vs_ours_{size}MiB"] = round(
+                    flax["restore_s"] / ours["restore_s"], 2
+                )
+                summary[f"flax_save_extra_mib_{size}MiB"] = round(flax["save_extra_mib"], 1)
             if "orbax StandardCheckpointer" in results:
                 orbax = results["orbax StandardCheckpointer"]
                 summary[f"orbax_save_vs_ours_{size}MiB"] = round(
@@ -244,12 +286,12 @@ def main() -> None:
                 summary[f"orbax_restore_vs_ours_{size}MiB"] = round(
                     orbax["restore_s"] / ours["restore_s"], 2
                 )
-            unverified = results["eqx_train, verify=False"]
-            summary[f"restore_unverified_vs_raw_{size}MiB"] = round(
-                unverified["restore_s"] / raw["restore_s"], 3
-            )
+            if "eqx_train, verify=False" in results:
+                unverified = results["eqx_train, verify=False"]
+                summary[f"restore_unverified_vs_raw_{size}MiB"] = round(
+                    unverified["restore_s"] / raw["restore_s"], 3
+                )
             summary[f"save_extra_mib_{size}MiB"] = round(ours["save_extra_mib"], 1)
-            summary[f"flax_save_extra_mib_{size}MiB"] = round(flax["save_extra_mib"], 1)
             if size == max(args.sizes):
                 one, full = one_leaf_restore(tree, base_dir)
                 print(

@@ -1,7 +1,7 @@
 """Saves and restores through the transfer pipeline: what an async save lets the caller do
 right after it returns, and how much host memory a save or a restore holds.
 
-Host memory is measured as the bytes the pipeline itself holds (`_transfer.held_bytes()`,
+Host memory is measured as the bytes the pipeline itself holds (`_window.held_bytes()`,
 `peak_held_bytes()`): on a CPU backend process RSS also counts device memory, which is host
 memory there, and the allocator's caches.
 """
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _format, _transfer
+from eqx_train.checkpoints import _format, _snapshot, _transfer, _window
 from tests.helpers import assert_trees_equal
 
 MiB = 1 << 20
@@ -41,10 +41,10 @@ def _host_copy(state):
 @pytest.fixture
 def peak():
     """The pipeline's host bytes above what was held before the test: call it for the peak."""
-    base = _transfer.held_bytes()
-    _transfer.reset_peak()
-    yield lambda: _transfer.peak_held_bytes() - base
-    assert _transfer.held_bytes() == base  # everything let go
+    base = _window.held_bytes()
+    _window.reset_peak()
+    yield lambda: _window.peak_held_bytes() - base
+    assert _window.held_bytes() == base  # everything let go
 
 
 def _donating_step():
@@ -156,7 +156,7 @@ def test_the_pinned_host_transfer_path_saves_bit_exactly_within_the_window(
 ):
     # What an accelerator does (a CPU device is read in place): each leaf goes to pinned
     # host memory ahead of the writer, a sharded leaf counts twice (shards + assembled).
-    monkeypatch.setattr(_transfer, "_reads_in_place", lambda platform: False)
+    monkeypatch.setattr(_transfer, "reads_in_place", lambda platform: False)
     pinned, real_put = [], jax.device_put
 
     def device_put(x, device=None, *args, **kwargs):
@@ -262,8 +262,8 @@ def test_async_save_falls_back_to_a_host_snapshot_when_device_memory_is_short(
     tmp_path, monkeypatch
 ):
     # As on an accelerator: a CPU device's buffers are held in place, which needs no memory.
-    monkeypatch.setattr(_transfer, "_reads_in_place", lambda platform: False)
-    monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 1024)
+    monkeypatch.setattr(_transfer, "reads_in_place", lambda platform: False)
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 1024)
     manager = checkpoints.AsyncManager()
     state = _device_state(leaves=2)
     expected = _host_copy(state)
@@ -326,7 +326,7 @@ def test_a_leaf_bigger_than_the_window_is_saved_alone(tmp_path, peak):
 def test_restore_onto_devices_holds_at_most_its_host_window(tmp_path, peak):
     saved = _device_state(leaves=16, seed=1)
     checkpoints.save_checkpoint(tmp_path, saved, 1)
-    _transfer.reset_peak()
+    _window.reset_peak()
     target = _device_state(leaves=16, seed=2)
     restored = checkpoints.restore_checkpoint(tmp_path, target, host_window_bytes=4 * MiB)
     assert 2 * MiB <= peak() <= 4 * MiB
@@ -366,7 +366,7 @@ def test_fifty_async_saves_hold_no_more_host_or_device_memory_than_one(tmp_path,
         manager.save(i, state)
         state = step(state)
         manager.wait()
-        held.append(_transfer.held_bytes())
+        held.append(_window.held_bytes())
         gc.collect()  # other tests' garbage: only what this loop keeps alive counts
         arrays.append(len(jax.live_arrays()))
         peaks.append(peak())

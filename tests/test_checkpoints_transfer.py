@@ -1,7 +1,7 @@
 """Device snapshots and the bounded host window (`checkpoints/_transfer.py`).
 
 The memory promises are checked on the bytes the pipeline itself holds
-(`_transfer.held_bytes()` / `peak_held_bytes()`): on a CPU backend, process RSS also counts
+(`_window.held_bytes()` / `peak_held_bytes()`): on a CPU backend, process RSS also counts
 device memory and the allocator's caches, which would blur them.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eqx_train.checkpoints import _description, _transfer
+from eqx_train.checkpoints import _description, _snapshot, _transfer, _window
 
 MiB = 1 << 20
 
@@ -52,7 +52,7 @@ def _no_warning(message):
 
 def test_device_snapshot_copies_array_leaves_on_their_devices_with_their_shardings():
     tensors = _tensors(_state())
-    copies = _transfer.snapshot(tensors, "device", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(tensors, "device", caller="test", warn=_no_warning)
     for tensor, copy in zip(tensors, copies, strict=True):
         np.testing.assert_array_equal(copy.get(), np.asarray(tensor.get()))
         if isinstance(tensor.source, jax.Array):
@@ -66,7 +66,7 @@ def test_device_snapshot_copies_array_leaves_on_their_devices_with_their_shardin
 def test_device_snapshot_survives_donation_and_deletion_of_the_originals():
     state = {"w": jnp.arange(1000.0), "b": jnp.full((4, 4), 2, jnp.int32)}
     expected = {k: np.array(v) for k, v in state.items()}  # independent host copies
-    copies = _transfer.snapshot(_tensors(state), "device", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(_tensors(state), "device", caller="test", warn=_no_warning)
 
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
     state = step(state)
@@ -77,7 +77,7 @@ def test_device_snapshot_survives_donation_and_deletion_of_the_originals():
 
 def test_host_snapshot_copies_every_leaf_to_host_memory_now():
     state = {"w": jnp.arange(10.0), "n": np.zeros(3)}
-    copies = _transfer.snapshot(_tensors(state), "host", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(_tensors(state), "host", caller="test", warn=_no_warning)
     state["n"][:] = 1.0
     state["w"].delete()
     assert [c.owned for c in copies] == [False, False]
@@ -89,14 +89,14 @@ def test_host_snapshot_copies_every_leaf_to_host_memory_now():
 def _as_on_an_accelerator(monkeypatch):
     """Devices whose memory is not host memory: `"auto"` then copies on the device (a CPU
     device's buffers are held in place instead, which needs no memory)."""
-    monkeypatch.setattr(_transfer, "_reads_in_place", lambda platform: False)
+    monkeypatch.setattr(_transfer, "reads_in_place", lambda platform: False)
 
 
 def test_auto_snapshot_on_a_cpu_device_holds_the_buffers_in_place(monkeypatch):
-    monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 0)  # no memory needed
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 0)  # no memory needed
     state = _state()
     tensors = _tensors(state)
-    snaps = _transfer.snapshot(tensors, "auto", caller="test", warn=_no_warning)
+    snaps = _snapshot.snapshot(tensors, "auto", caller="test", warn=_no_warning)
     for tensor, snap in zip(tensors, snaps, strict=True):
         np.testing.assert_array_equal(snap.get(), np.asarray(tensor.get()))
         assert snap.source is None
@@ -109,7 +109,7 @@ def test_auto_snapshot_on_a_cpu_device_holds_the_buffers_in_place(monkeypatch):
 def test_pinned_buffers_survive_a_donating_step_and_are_let_go_once_released():
     state = {"w": jnp.arange(1000.0) + 1, "b": jnp.full((4, 4), 2, jnp.int32) + 0}
     expected = {k: np.array(v) for k, v in state.items()}
-    snaps = _transfer.snapshot(_tensors(state), "auto", caller="test", warn=_no_warning)
+    snaps = _snapshot.snapshot(_tensors(state), "auto", caller="test", warn=_no_warning)
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
     new = step(state)  # the runtime does not donate a buffer a view holds: it copies
     jax.block_until_ready(new)
@@ -125,31 +125,31 @@ def test_pinned_buffers_survive_a_donating_step_and_are_let_go_once_released():
 
 def test_auto_snapshot_falls_back_to_the_host_when_device_memory_is_short(monkeypatch):
     _as_on_an_accelerator(monkeypatch)
-    monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 1000)
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 1000)
     state = {"w": jnp.arange(1000.0)}  # 8000 bytes: more than 80% of 1000 free
-    warn = _transfer.WarnOnce()
+    warn = _snapshot.WarnOnce()
     with pytest.warns(UserWarning, match=r"would not fit in device memory.*snapshot='host'"):
-        copies = _transfer.snapshot(_tensors(state), "auto", caller="test", warn=warn)
+        copies = _snapshot.snapshot(_tensors(state), "auto", caller="test", warn=warn)
     assert not copies[0].owned
     np.testing.assert_array_equal(copies[0].get(), np.arange(1000.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: the second fallback is silent
-        again = _transfer.snapshot(_tensors(state), "auto", caller="test", warn=warn)
+        again = _snapshot.snapshot(_tensors(state), "auto", caller="test", warn=warn)
     assert not again[0].owned
 
 
 def test_auto_snapshot_stays_on_the_device_when_it_fits(monkeypatch):
     _as_on_an_accelerator(monkeypatch)
-    monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 1 << 30)
-    copies = _transfer.snapshot(
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 1 << 30)
+    copies = _snapshot.snapshot(
         _tensors({"w": jnp.arange(1000.0)}), "auto", caller="test", warn=_no_warning
     )
     assert copies[0].owned and isinstance(copies[0].source, jax.Array)
 
 
 def test_device_snapshot_is_forced_even_when_memory_looks_short(monkeypatch):
-    monkeypatch.setattr(_transfer, "free_device_bytes", lambda device: 0)
-    copies = _transfer.snapshot(
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 0)
+    copies = _snapshot.snapshot(
         _tensors({"w": jnp.arange(1000.0)}), "device", caller="test", warn=_no_warning
     )
     assert copies[0].owned
@@ -159,7 +159,7 @@ def test_device_memory_need_counts_each_devices_shard_and_every_replica():
     mesh = _mesh()
     sharded = jax.device_put(jnp.zeros((8, 8), jnp.float32), NamedSharding(mesh, P("a", "b")))
     replicated = jax.device_put(jnp.zeros(10, jnp.float32), NamedSharding(mesh, P()))
-    need = _transfer.device_bytes_needed([sharded, replicated])
+    need = _snapshot.device_bytes_needed([sharded, replicated])
     assert set(need) == set(jax.devices())
     assert all(n == 8 * 8 * 4 // 8 + 40 for n in need.values())
 
@@ -176,21 +176,21 @@ class _FakeDevice:
 
 def test_free_device_bytes_reads_the_backends_memory_statistics():
     stats = {"bytes_limit": 80 * MiB, "bytes_in_use": 30 * MiB}
-    assert _transfer.free_device_bytes(_FakeDevice(stats)) == 50 * MiB
+    assert _snapshot.free_device_bytes(_FakeDevice(stats)) == 50 * MiB
     reservable = {**stats, "bytes_reservable_limit": 60 * MiB}
-    assert _transfer.free_device_bytes(_FakeDevice(reservable)) == 30 * MiB
-    assert _transfer.free_device_bytes(_FakeDevice(None)) is None
-    assert _transfer.free_device_bytes(_FakeDevice({})) is None
-    free = _transfer.free_device_bytes(jax.devices()[0])  # CPU: the host's available memory
+    assert _snapshot.free_device_bytes(_FakeDevice(reservable)) == 30 * MiB
+    assert _snapshot.free_device_bytes(_FakeDevice(None)) is None
+    assert _snapshot.free_device_bytes(_FakeDevice({})) is None
+    free = _snapshot.free_device_bytes(jax.devices()[0])  # CPU: the host's available memory
     assert free is not None and free > 0
 
 
 def test_snapshot_options_are_checked_with_the_offending_value():
     with pytest.raises(ValueError, match=r"save: snapshot must be one of .*'gpu'"):
-        _transfer.check_options("gpu", 1, "save")
+        _snapshot.check_options("gpu", 1, "save")
     for bad in (0, -5, 1.5, True, "1"):
         with pytest.raises(ValueError, match="host_window_bytes must be a positive int"):
-            _transfer.check_options("auto", bad, "save")
+            _snapshot.check_options("auto", bad, "save")
 
 
 # ------------------------------------------------------------------------ the host window
@@ -210,27 +210,27 @@ def _consume(tensors, limit):
     """Reads every leaf through the pipeline; returns the bytes held at each leaf and
     checks each value against an independent expectation."""
     held = []
-    pipeline = _transfer.host_arrays(tensors, _transfer.HostWindow(limit))
+    pipeline = _transfer.host_arrays(tensors, _window.HostWindow(limit))
     for i, (tensor, value) in enumerate(pipeline):
         assert tensor.name == f"l{i:02d}"
         assert value.shape == tensor.shape and np.all(value == i)
-        held.append(_transfer.held_bytes())
+        held.append(_window.held_bytes())
     return held
 
 
 @pytest.mark.parametrize("device", [True, False])
 def test_the_pipeline_holds_at_most_the_window_and_reads_ahead_within_it(device):
     tensors = _leaves([1] * 16, device)
-    start = _transfer.held_bytes()
+    start = _window.held_bytes()
     held = _consume(tensors, 4 * MiB)
     assert len(held) == len(tensors)
     assert max(held) - start == 4 * MiB  # four leaves at once: the window, not more
-    assert _transfer.held_bytes() == start
+    assert _window.held_bytes() == start
 
 
 def test_a_leaf_bigger_than_the_window_is_held_alone():
     tensors = _leaves([1, 6, 1, 1])
-    start = _transfer.held_bytes()
+    start = _window.held_bytes()
     held = [h - start for h in _consume(tensors, 2 * MiB)]
     assert held[1] == 6 * MiB  # the big leaf, and nothing else with it
     assert max(held) == 6 * MiB and held[0] <= 2 * MiB and held[2] <= 2 * MiB
@@ -238,19 +238,19 @@ def test_a_leaf_bigger_than_the_window_is_held_alone():
 
 def test_the_pipeline_releases_what_it_holds_when_closed_early():
     tensors = _leaves([1] * 8)
-    start = _transfer.held_bytes()
-    pipeline = _transfer.host_arrays(tensors, _transfer.HostWindow(3 * MiB))
+    start = _window.held_bytes()
+    pipeline = _transfer.host_arrays(tensors, _window.HostWindow(3 * MiB))
     next(pipeline)
-    assert _transfer.held_bytes() - start == 3 * MiB
+    assert _window.held_bytes() - start == 3 * MiB
     pipeline.close()
-    assert _transfer.held_bytes() == start
+    assert _window.held_bytes() == start
 
 
 def test_the_final_pass_over_a_snapshot_frees_nothing_the_caller_owns():
     state = {"w": jnp.arange(100.0)}
     tensors = _tensors(state)
-    copies = _transfer.snapshot(tensors, "device", caller="test", warn=_no_warning)
-    for _ in _transfer.host_arrays(copies, _transfer.HostWindow(MiB)):
+    copies = _snapshot.snapshot(tensors, "device", caller="test", warn=_no_warning)
+    for _ in _transfer.host_arrays(copies, _window.HostWindow(MiB)):
         pass
     assert not state["w"].is_deleted()
     np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(100.0))
@@ -260,11 +260,11 @@ def test_a_leaf_that_changed_while_being_saved_is_refused_naming_it():
     tensors = _tensors({"w": np.zeros(4)})
     changed = [_description.Tensor("w", lambda: np.zeros(5), tensors[0].dtype, tensors[0].shape)]
     with pytest.raises(RuntimeError, match=r"leaf 'w' changed from float64\[4\] to float64\[5\]"):
-        list(_transfer.host_arrays(changed, _transfer.HostWindow(MiB)))
+        list(_transfer.host_arrays(changed, _window.HostWindow(MiB)))
 
 
 def test_the_window_blocks_an_acquire_until_enough_is_released():
-    window = _transfer.HostWindow(10)
+    window = _window.HostWindow(10)
     window.acquire(8)
     admitted = threading.Event()
 

@@ -26,11 +26,13 @@ from . import (
     _names,
     _restore,
     _selection,
-    _transfer,
+    _snapshot,
+    _window,
 )
 from ._async import AsyncManager
+from ._snapshot import SnapshotMode
 from ._storage import Storage
-from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
+from ._window import DEFAULT_HOST_WINDOW_BYTES
 
 T = TypeVar("T")
 
@@ -81,17 +83,20 @@ def save_checkpoint(
     - `keep_every_n_steps`: additionally keep older checkpoints, by flax's rule: walking the
       checkpoints older than the newest `keep` from the oldest, keep a step when it is at
       least this many steps past the last step kept this way (step 0 is never kept by it).
-    - `async_manager`: if given, snapshot `target` now and write in the background; a later
-      save waits for this one and raises its error. The caller may donate or overwrite its
-      buffers as soon as this returns (see [Checkpointing on GPUs](../checkpointing_on_gpus.md)).
+    - `async_manager`: if given, snapshot `target` now and write in the background; a save
+      asked for while this one is written is queued behind it (at most two snapshots held,
+      memory allowing; else it waits), and raises this one's error if it failed. The caller
+      may donate or overwrite its buffers as soon as this returns (see
+      [Checkpointing on GPUs](../checkpointing_on_gpus.md)).
     - `snapshot`: how an async save snapshots the array leaves. `"device"`: a copy on their
       own devices (one jitted copy, same shardings; costs 1× their size in device memory
-      until each leaf is written); `"host"`: a copy in host memory, leaf by leaf, before
-      returning (blocks for the transfer; costs 1× the state in host memory); `"auto"`
-      (default): on the devices when the copy fits in their free memory, else on the host,
-      with a warning the first time; on CPU devices, no copy: their buffers are held in
-      place (the runtime does not donate them) until written. NumPy and scalar leaves are
-      always copied on the host.
+      until each leaf is written; `MemoryError`, naming the bytes needed and free, and
+      nothing saved, if the devices have no room for it); `"host"`: a copy in host
+      memory, leaf by leaf, before returning (blocks for the transfer; costs 1× the state
+      in host memory); `"auto"` (default): on the devices when the copy fits in their free
+      memory, else on the host, with a warning the first time; on CPU devices, no copy:
+      their buffers are held in place (the runtime does not donate them) until written.
+      NumPy and scalar leaves are always copied on the host.
       Ignored without `async_manager`.
     - `host_window_bytes`: the most leaf bytes the save holds on the host at once (at least
       one leaf); default 256 MiB. The next leaves' transfers run while earlier ones are
@@ -166,7 +171,7 @@ def save_pipeline(
     number = _multiprocess.begin_save() if multiprocess else None
 
     def prepare() -> tuple[Storage, str, Decimal, str, str, Any, list, dict]:
-        _transfer.check_options(snapshot, host_window_bytes, caller)
+        _snapshot.check_options(snapshot, host_window_bytes, caller)
         store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
         if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
             # On an object store nobody can tell a live writer's uncommitted pieces from a
@@ -183,7 +188,8 @@ def save_pipeline(
         except ValueError as error:
             raise ValueError(f"{caller}: {error}") from None
         if async_manager is not None:
-            async_manager.wait_previous_save()
+            # At most one save in flight (a multi-process save: none) from here on.
+            async_manager.wait_until(0 if multiprocess else 1)
         store.start_deadline()  # every request of this save, from here on, shares one budget
         description, tensors = _description.describe(
             _selection.filtered_for_saving(target, filter_spec),
@@ -194,6 +200,16 @@ def save_pipeline(
         extra = extra_metadata() if callable(extra_metadata) else extra_metadata
         metadata = {**_format.base_metadata(step_text, description), **(extra or {})}
         _format.check_header_size(tensors, metadata, caller)
+        if async_manager is not None and async_manager.in_flight():
+            # Queued behind the save being written only where its snapshot fits next to
+            # that save's; otherwise (and for a step that is not newer, or a save to an
+            # object store, whose request budget has started) wait for it.
+            if not (
+                store.is_local
+                and async_manager.may_queue((where, prefix), value)
+                and _snapshot.another_fits(tensors, snapshot)
+            ):
+                async_manager.wait_previous_save()
         store.makedirs(where)
         _directory.check_newer(store, where, prefix, value, step_text, overwrite, caller)
         return store, where, value, step_text, name, description, tensors, metadata
@@ -223,8 +239,8 @@ def save_pipeline(
         try:
             if async_manager is not None:
                 # The caller may mutate or donate its buffers as soon as we return.
-                tensors = _transfer.snapshot(
-                    tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
+                tensors = _snapshot.snapshot(
+                    tensors, snapshot, caller=caller, warn=_snapshot.warn_once_per(async_manager)
                 )
             planned = _multiprocess.plan_pieces(
                 tensors, jax.process_index(), replica_parallel=replica_parallel
@@ -258,8 +274,8 @@ def save_pipeline(
     else:
         if async_manager is not None:
             # The caller may mutate or donate its buffers as soon as we return.
-            tensors = _transfer.snapshot(
-                tensors, snapshot, caller=caller, warn=_transfer.warn_once_per(async_manager)
+            tensors = _snapshot.snapshot(
+                tensors, snapshot, caller=caller, warn=_snapshot.warn_once_per(async_manager)
             )
 
         def commit() -> None:
@@ -280,13 +296,13 @@ def save_pipeline(
 
     def commit_within_window() -> None:
         try:
-            with _transfer.host_window_bytes(host_window_bytes):
+            with _window.host_window_bytes(host_window_bytes):
                 commit()
         finally:
-            _transfer.release(tensors)  # what the snapshot still holds, written or not
+            _snapshot.release(tensors)  # what the snapshot still holds, written or not
 
     if async_manager is not None:
-        async_manager.save_async(commit_within_window)
+        async_manager.save_async(commit_within_window, (ckpt_dir, prefix), value)
     else:
         commit_within_window()
     return final_path
@@ -506,7 +522,7 @@ def restore_checkpoint(
     _matching.check_options(
         casting, rename, "restore_checkpoint", target=target, filter_spec=filter_spec
     )
-    _transfer.check_window(host_window_bytes, "restore_checkpoint")
+    _window.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
     return _restore.restore(
         store,

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ from ._names import (
     TREE_KEY,
 )
 from ._storage import LocalStorage, Source
+from ._window import HostWindow, add_stage, current_window, stage, timing
 
 # A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
 # Python objects, so the cap is what bounds a hostile file's memory.
@@ -68,6 +70,7 @@ _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _PARALLEL_MIN_BYTES = 16 << 20
 _HASH_CHUNK = 2 << 20
 _STREAM_CHUNK = 16 << 20  # bytes per write to an upload stream
+_WRITE_BLOCK = 16 << 20  # bytes per write to a file: a crash test can stop between them
 _FIRST_READ = 16 << 10  # the first request reads the length field and most headers
 _NO_DIGEST = "0" * 16
 
@@ -204,7 +207,7 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     Leaves reach the host through the transfer pipeline (`_transfer.host_arrays`): the
     transfers of the next leaves run while the current one is hashed and written, and at
     most the save's `host_window_bytes` of leaf bytes (at least one leaf) are held on the
-    host (`_transfer.host_window_bytes` sets it around a save's commit).
+    host (`_window.host_window_bytes` sets it around a save's commit).
 
     To a file descriptor: the header, then each tensor's bytes hashed and written in turn,
     then the header again with the real checksums (digests have a fixed width, so it has
@@ -213,7 +216,7 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     (hashed again: a leaf that changed in between is refused rather than written under a
     wrong checksum); neither pass frees the snapshot, since the upload may be retried.
     """
-    window = _transfer.current_window()
+    window = current_window()
     if isinstance(out, int):
         _write_to_fd(out, tensors, metadata, window)
         return
@@ -238,22 +241,46 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
 
 
 def _write_to_fd(
-    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], window: _transfer.HostWindow
+    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], window: HostWindow
 ) -> None:
+    """The file in stages that run at once: the transfers of the next leaves (started by
+    `host_arrays` within the window), the hash of the current leaf (in its own thread) and
+    its write (in this thread, in order, so the file only ever grows: a crash leaves a
+    prefix). A save then takes as long as its slowest stage, the disk's, plus the first
+    transfer and the header."""
     placeholder = _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
     write_all(fd, memoryview(placeholder))
     digests = []
-    with closing(_transfer.host_arrays(tensors, window)) as leaves:
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="eqx_train-hash") as hashing,
+        closing(_transfer.host_arrays(tensors, window)) as leaves,
+    ):
         for t, array in leaves:
             view = _as_bytes(array)
-            code = DTYPE_TO_CODE[t.dtype]
-            digests.append(checksum(code, t.shape, view, lambda c: write_all(fd, c)))
+            digest = hashing.submit(_timed_checksum, DTYPE_TO_CODE[t.dtype], t.shape, view)
+            try:
+                with stage("write"):
+                    for block in _chunks(view, _WRITE_BLOCK):
+                        write_all(fd, block)
+            finally:
+                # The leaf's bytes are released by the next step of `leaves`: not before
+                # its hash is done with them, even when the write failed.
+                wait([digest])
+            digests.append(digest.result())
     header = _encode_header(tensors, metadata, digests)
     if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
         raise AssertionError("checkpoint header changed length")
     view, done = memoryview(header), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], done)
+    if timing():  # for the stage breakdown; the storage's own fsync then finds nothing to do
+        with stage("fsync"):
+            os.fsync(fd)
+
+
+def _timed_checksum(code: str, shape: Sequence[int], view: memoryview) -> str:
+    with stage("hash"):
+        return checksum(code, shape, view)
 
 
 def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
@@ -501,18 +528,25 @@ class FileReader(ReaderBase):
         view = _as_bytes(out) if info.nbytes else memoryview(b"")
         check = verify and info.checksum
         if not self.source.is_local or not check:
-            self.source.read_ranges([(view, info.start)])
+            with stage("read"):
+                self.source.read_ranges([(view, info.start)])
             if check:
-                verify_bytes(info, view, self.bad)
+                with stage("verify"):
+                    verify_bytes(info, view, self.bad)
             return
-        offset = info.start
+        offset, reading, start = info.start, 0.0, time.perf_counter()
 
         def read_chunk(chunk: memoryview) -> None:
-            nonlocal offset
+            nonlocal offset, reading
+            began = time.perf_counter()
             self.source.read_into(chunk, offset)
+            reading += time.perf_counter() - began
             offset += len(chunk)
 
         verify_bytes(info, view, self.bad, read_chunk)
+        if timing():  # for the stage breakdown: reads and hashes alternate chunk by chunk
+            add_stage("read", reading)
+            add_stage("verify", time.perf_counter() - start - reading)
 
     def read_many(
         self, names: Sequence[str], *, verify: bool = True, parallel: bool = True

@@ -24,14 +24,15 @@ from . import (
     _preemption,
     _retention,
     _selection,
-    _transfer,
+    _snapshot,
 )
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
 from ._fallback import restore_latest_that_verifies
 from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
 from ._restore import RESTORE_ATTEMPTS, restore_entry
-from ._transfer import DEFAULT_HOST_WINDOW_BYTES, SnapshotMode
+from ._snapshot import SnapshotMode
+from ._window import DEFAULT_HOST_WINDOW_BYTES
 
 T = TypeVar("T")
 
@@ -178,7 +179,7 @@ class CheckpointManager:
                 "CheckpointManager: save_interval_seconds must be a finite number > 0 (the "
                 f"seconds between saves) or None, got {save_interval_seconds!r}."
             )
-        _transfer.check_options(snapshot, host_window_bytes, "CheckpointManager")
+        _snapshot.check_options(snapshot, host_window_bytes, "CheckpointManager")
         if not isinstance(handle_sigterm, bool):
             raise ValueError(
                 f"CheckpointManager: handle_sigterm must be True or False, got {handle_sigterm!r}."

@@ -35,7 +35,8 @@ from ._format import FileReader
 from ._hf_layout import is_layout, open_layout
 from ._shards import ShardedReader
 from ._storage import Storage
-from ._transfer import DEFAULT_HOST_WINDOW_BYTES, HostWindow, windowed_reads
+from ._transfer import windowed_reads
+from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
@@ -329,23 +330,20 @@ def restore_from(
         nbytes,
         lambda group: reader.read_many(group, verify=verify, parallel=parallel),
         HostWindow(host_window_bytes),
+        settle=lambda group: settle_placed([leaves[s.index] for n in group for s in whole[n]]),
     )
     with closing(reads):
         for name, array in reads:
             for tied, slot in enumerate(whole[name]):  # several when rename ties leaves
                 try:
-                    leaf = slot.kind.fill(
-                        leaves[slot.index], _matching.cast_on_host(array, slot.cast)
+                    leaf = place(
+                        slot.kind, leaves[slot.index], _matching.cast_on_host(array, slot.cast)
                     )
                 except ValueError as error:
                     problems.append(f"'{slot.target}': {error}")
                     continue
                 if tied and isinstance(leaf, np.ndarray):
                     leaf = leaf.copy()  # NumPy leaves are mutable: tied ones must not alias
-                # On the device before its host bytes count as released (an accelerator
-                # copies them asynchronously; a CPU device adopts them).
-                if isinstance(leaf, jax.Array):
-                    leaf.block_until_ready()
                 leaves[slot.index] = leaf
     blockwise = [slot for slot in found.slots if slot.saved not in whole]
     # Read once across processes: a tensor no cast changes, filling one leaf (a tensor tied
@@ -386,6 +384,22 @@ def restore_from(
         _matching.warn_partial(reader.path, found, caller)
     _matching.warn_placeholders(reader.path, found, leaves, caller)
     return jtu.tree_unflatten(found.treedef, leaves)
+
+
+def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:
+    """The restored leaf for `target` from its host bytes `array`: on the target's devices
+    for an array target. The transfer is started, not waited for; `settle_placed` waits.
+    (Raises `ValueError` if `array` cannot fill `target`.)"""
+    with stage("place"):
+        return kind.fill(target, array)
+
+
+def settle_placed(placed: Sequence[Any]) -> None:
+    """Waits until the leaves `placed` are on their devices, so that the host bytes they came
+    from can be let go (an accelerator copies them asynchronously; a CPU device adopts
+    them): once per window group, not once per leaf."""
+    with stage("place"):
+        jax.block_until_ready([leaf for leaf in placed if isinstance(leaf, jax.Array)])
 
 
 def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:

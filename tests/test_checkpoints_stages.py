@@ -1,0 +1,222 @@
+"""The save and restore pipelines' stages: a slow disk does not slow the hashing and a slow
+hash does not slow the disk; back-to-back async saves queue a second snapshot (at most two);
+a device snapshot without room says so in our words; a restore synchronises with the
+devices once per window group, not once per leaf.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_train import checkpoints
+from eqx_train.checkpoints import _format, _restore, _snapshot, _window
+from tests.helpers import assert_trees_equal
+
+LEAF = 256 << 10  # bytes of each leaf below
+
+
+def _state(version=1, leaves=4):
+    return {f"l{i}": jnp.full(LEAF // 4, version * 10 + i, jnp.float32) for i in range(leaves)}
+
+
+# ------------------------------------------------------------------ the stages of a save
+
+
+def test_a_slow_disk_does_not_hold_up_the_hashing(tmp_path, monkeypatch):
+    hashed, saw = threading.Event(), []
+    real_checksum, real_write = _format.checksum, _format.write_all
+
+    def checksum(code, shape, view, each=None):
+        digest = real_checksum(code, shape, view, each)
+        hashed.set()
+        return digest
+
+    def write_all(fd, data):
+        if len(data) == LEAF or data.nbytes == LEAF:  # the leaf's bytes, not the header
+            saw.append(hashed.wait(30))  # the disk is stuck until the leaf is hashed
+        real_write(fd, data)
+
+    monkeypatch.setattr(_format, "checksum", checksum)
+    monkeypatch.setattr(_format, "write_all", write_all)
+    state = _state(leaves=1)
+    checkpoints.save_checkpoint(tmp_path, state, 1)
+    assert saw == [True]  # hashed while its write was still waiting
+    assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, state), state)
+
+
+def test_a_slow_hash_does_not_hold_up_the_disk(tmp_path, monkeypatch):
+    written, saw, total = threading.Event(), [], [0]
+    real_checksum, real_write = _format.checksum, _format.write_all
+
+    def checksum(code, shape, view, each=None):
+        saw.append(written.wait(30))  # the hash is stuck until the leaf is on disk
+        return real_checksum(code, shape, view, each)
+
+    def write_all(fd, data):
+        real_write(fd, data)
+        total[0] += len(data)
+        if total[0] >= LEAF:  # the header and then the whole leaf
+            written.set()
+
+    monkeypatch.setattr(_format, "checksum", checksum)
+    monkeypatch.setattr(_format, "write_all", write_all)
+    state = _state(leaves=1)
+    checkpoints.save_checkpoint(tmp_path, state, 1)
+    assert saw == [True]  # written while its hash was still waiting
+    assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, state), state)
+
+
+def test_the_stage_timings_name_every_stage_of_a_save_and_a_restore(tmp_path):
+    state = _state()
+    with _window.stage_times() as saving:
+        checkpoints.save_checkpoint(tmp_path, state, 1)
+    with _window.stage_times() as restoring:
+        checkpoints.restore_checkpoint(tmp_path, state)
+    assert {"transfer", "hash", "write", "fsync"} <= set(saving)
+    assert {"read", "verify", "place"} <= set(restoring)
+    assert all(seconds >= 0 for seconds in [*saving.values(), *restoring.values()])
+
+
+def test_a_restore_waits_for_its_devices_once_per_window_group(tmp_path, monkeypatch):
+    state = _state(leaves=8)
+    checkpoints.save_checkpoint(tmp_path, state, 1)
+    settled = []
+    real = _restore.settle_placed
+    monkeypatch.setattr(
+        _restore, "settle_placed", lambda placed: (settled.append(len(placed)), real(placed))
+    )
+    restored = checkpoints.restore_checkpoint(tmp_path, state, host_window_bytes=8 * LEAF)
+    assert settled == [2, 2, 2, 2]  # groups of a quarter of the window, each waited for once
+    assert_trees_equal(restored, state)
+
+
+# ------------------------------------------------------------------ back-to-back async saves
+
+
+def _held_writer(monkeypatch):
+    """The background writer waits, before the first save's first byte, until `go` is set."""
+    go, writing = threading.Event(), threading.Event()
+    real = _format.write_all
+
+    def write_all(fd, data):
+        writing.set()
+        assert go.wait(60), "the test never let the writer go on"
+        real(fd, data)
+
+    monkeypatch.setattr(_format, "write_all", write_all)
+    return go, writing
+
+
+def _in_a_thread(call):
+    """Runs `call` in a thread; the returned event is set once it has returned."""
+    returned = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            call()
+        except BaseException as error:  # reported by the test
+            errors.append(error)
+        returned.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return returned, errors
+
+
+@pytest.mark.parametrize("snapshot", ["auto", "device", "host"])
+def test_a_save_asked_for_while_one_is_written_is_queued_without_waiting(
+    tmp_path, monkeypatch, snapshot
+):
+    go, writing = _held_writer(monkeypatch)
+    manager = checkpoints.AsyncManager()
+    states = {step: _state(step) for step in (1, 2, 3)}
+    checkpoints.save_checkpoint(
+        tmp_path, states[1], 1, async_manager=manager, keep=3, snapshot=snapshot
+    )
+    assert writing.wait(30)
+    # The first is still being written (its writer is held): the second returns anyway.
+    checkpoints.save_checkpoint(
+        tmp_path, states[2], 2, async_manager=manager, keep=3, snapshot=snapshot
+    )
+    assert manager.in_flight() == 2
+    # A third would make three snapshots: it waits until the first is written.
+    third, errors = _in_a_thread(
+        lambda: checkpoints.save_checkpoint(
+            tmp_path, states[3], 3, async_manager=manager, keep=3, snapshot=snapshot
+        )
+    )
+    assert not third.wait(0.5)
+    assert manager.in_flight() == 2
+    go.set()
+    assert third.wait(60) and not errors
+    manager.wait_previous_save()  # waits for every queued save
+    assert manager.in_flight() == 0
+    assert checkpoints.available_steps(tmp_path) == [1, 2, 3]
+    for step, state in states.items():
+        assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, state, step=step), state)
+
+
+def test_a_second_snapshot_without_room_waits_for_the_first_save(tmp_path, monkeypatch):
+    go, writing = _held_writer(monkeypatch)
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: LEAF)  # room for none
+    manager = checkpoints.AsyncManager()
+    checkpoints.save_checkpoint(
+        tmp_path, _state(1), 1, async_manager=manager, snapshot="device", keep=2
+    )
+    assert writing.wait(30)
+    second, errors = _in_a_thread(
+        lambda: checkpoints.save_checkpoint(
+            tmp_path, _state(2), 2, async_manager=manager, snapshot="device", keep=2
+        )
+    )
+    assert not second.wait(0.5)  # blocked, as a save was before queues existed
+    go.set()
+    assert second.wait(60) and not errors
+    manager.wait_previous_save()
+    assert checkpoints.available_steps(tmp_path) == [1, 2]
+
+
+def test_a_queued_save_of_a_step_that_is_not_newer_is_refused_after_the_first(
+    tmp_path, monkeypatch
+):
+    go, writing = _held_writer(monkeypatch)
+    manager = checkpoints.AsyncManager()
+    checkpoints.save_checkpoint(tmp_path, _state(1), 5, async_manager=manager)
+    assert writing.wait(30)
+    again, errors = _in_a_thread(
+        lambda: checkpoints.save_checkpoint(tmp_path, _state(2), 5, async_manager=manager)
+    )
+    assert not again.wait(0.5)  # it waits for the save of step 5 ...
+    go.set()
+    assert again.wait(60)
+    assert len(errors) == 1 and "step 5" in str(errors[0])  # ... and is refused, as before
+    manager.wait_previous_save()
+    assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, _state(1)), _state(1))
+
+
+# ------------------------------------------------------------------ a device snapshot without room
+
+
+def test_a_device_snapshot_without_room_says_how_much_and_saves_nothing(tmp_path, monkeypatch):
+    def out_of_memory(arrays):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1048576 bytes. "
+            "jit__copy_arrays"
+        )
+
+    monkeypatch.setattr(_snapshot, "_device_copy", out_of_memory)
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 3 << 20)
+    manager = checkpoints.AsyncManager()
+    state = {"w": jnp.zeros((4 << 20) // 4, jnp.float32), "b": np.ones(3, np.float32)}
+    with pytest.raises(MemoryError) as failure:
+        checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot="device")
+    message = str(failure.value)
+    assert "needs 4 MiB" in message and "3 MiB are free" in message
+    assert "snapshot='host'" in message and "nothing was saved" in message
+    manager.wait_previous_save()
+    assert manager.in_flight() == 0
+    assert checkpoints.available_steps(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []  # not even a temporary file
