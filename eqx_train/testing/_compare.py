@@ -8,7 +8,7 @@ Leaves are compared by kind first, then by what that kind holds (see `_leaf_diff
 
 from __future__ import annotations
 
-import math
+import cmath
 import struct
 from typing import Any
 
@@ -101,8 +101,17 @@ def _value_difference(
     if a.size == 0:
         return None
     exact = (rtol == 0 and atol == 0) or a.dtype == np.bool_
-    if exact:
+    if a.dtype == np.object_:  # references, not bytes: each element compared with ==
+        pairs = zip(a.reshape(-1), b.reshape(-1), strict=True)
+        differs = np.array([_other_difference(x, y) is not None for x, y in pairs])
+        exact = True
+    elif exact:
         differs = np.any(_bytes_per_element(a) != _bytes_per_element(b), axis=1)
+    elif a.dtype.kind in "iu":  # exactly, as Python ints: float64 rounds above 2**53
+        x, y = a.reshape(-1).tolist(), b.reshape(-1).tolist()
+        differs = np.array(
+            [abs(p - q) > atol + rtol * abs(q) for p, q in zip(x, y, strict=True)], dtype=bool
+        )
     else:
         x, y = (
             a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
@@ -110,23 +119,28 @@ def _value_difference(
         )
         with np.errstate(invalid="ignore", over="ignore"):
             close = np.abs(x - y) <= atol + rtol * np.abs(y)
+        # An infinity is close only to itself (|inf - x| <= rtol * inf would hold for any x).
+        close &= np.isfinite(x) & np.isfinite(y)
         close |= (np.isnan(x) & np.isnan(y)) | (x == y)
         differs = ~close.reshape(-1)
     count = int(np.count_nonzero(differs))
     if count == 0:
         return None
     how = "bits" if exact else f"values (rtol={rtol}, atol={atol})"
+    how = "values (by ==)" if a.dtype == np.object_ else how
     where = _first_index(differs, a.shape)
     i = int(np.argmax(differs))
     first_a, first_b = a.reshape(-1)[i], b.reshape(-1)[i]
     shown = f"{first_a!r} vs {first_b!r}"
-    if exact and str(first_a) == str(first_b):  # NaNs with other payloads, -0.0 and 0.0
+    if exact and a.dtype != np.object_ and str(first_a) == str(first_b):  # NaNs with other payloads, -0.0 and 0.0
         bits_a, bits_b = (_bytes_per_element(x)[i][::-1].tobytes().hex() for x in (a, b))
         shown += f" (bits 0x{bits_a} vs 0x{bits_b})"
     return f"{how} differ in {count} of {a.size} elements, first at index {where}: {shown}"
 
 
-def _float_bits(x: float) -> bytes:
+def _float_bits(x: float | complex) -> bytes:
+    if isinstance(x, complex):
+        return struct.pack("<dd", x.real, x.imag)
     return struct.pack("<d", x)
 
 
@@ -134,12 +148,15 @@ def _scalar_difference(a: Any, b: Any, rtol: float | int, atol: float | int) -> 
     if type(a) is not type(b):
         return f"type differs: {type(a).__name__} vs {type(b).__name__}"
     if rtol == 0 and atol == 0:
-        same = _float_bits(a) == _float_bits(b) if isinstance(a, float) else a == b
+        same = _float_bits(a) == _float_bits(b) if isinstance(a, float | complex) else a == b
     elif isinstance(a, bool):
         same = a == b
+    elif isinstance(a, int):
+        same = abs(a - b) <= atol + rtol * abs(b)
     else:
-        nans = isinstance(a, float) and math.isnan(a) and math.isnan(b)
-        same = nans or a == b or abs(a - b) <= atol + rtol * abs(b)
+        nans = cmath.isnan(a) and cmath.isnan(b)
+        finite = cmath.isfinite(a) and cmath.isfinite(b)  # an infinity is close only to itself
+        same = nans or a == b or (finite and abs(a - b) <= atol + rtol * abs(b))
     return None if same else "value differs"
 
 

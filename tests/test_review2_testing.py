@@ -1,0 +1,56 @@
+"""Review of eqx_train.testing: assert_trees_equal's tolerance keeps its promises at the
+edges (infinities equal only themselves, integers compared exactly, object arrays and
+Python complex numbers compared without crashing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eqx_train.testing import assert_trees_equal
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (np.array([np.inf]), np.array([-np.inf])),
+        (np.array([1e308]), np.array([np.inf])),
+        (np.array([np.inf]), np.array([1.0])),
+        (np.array([np.inf + 0j]), np.array([-np.inf + 0j])),
+    ],
+)
+def test_with_a_tolerance_an_infinity_equals_only_itself(a, b):
+    with pytest.raises(AssertionError, match=r"values \(rtol=0\.1, atol=0\) differ in 1 of 1"):
+        assert_trees_equal(a, b, rtol=0.1)
+
+
+@pytest.mark.parametrize(("a", "b"), [(float("inf"), float("-inf")), (1e308, float("inf"))])
+def test_with_a_tolerance_a_python_infinity_equals_only_itself(a, b):
+    with pytest.raises(AssertionError, match="value differs"):
+        assert_trees_equal({"x": a}, {"x": b}, rtol=0.1)
+    assert_trees_equal({"x": b}, {"x": b}, rtol=0.1)
+
+
+def test_with_a_tolerance_large_integers_are_compared_exactly():
+    a, b = np.array([2**62], np.int64), np.array([2**62 + 1], np.int64)
+    with pytest.raises(AssertionError, match=r"differ in 1 of 1 elements"):
+        assert_trees_equal(a, b, rtol=1e-30)
+    assert_trees_equal(a, b, atol=1)
+    big = np.array([2**64 - 1], np.uint64)
+    with pytest.raises(AssertionError, match=r"differ in 1 of 1 elements"):
+        assert_trees_equal(big, big - np.uint64(1), rtol=1e-30)
+
+
+def test_object_arrays_are_compared_element_by_element_with_equality():
+    assert_trees_equal(np.array(["a", 1], dtype=object), np.array(["a", 1], dtype=object))
+    with pytest.raises(AssertionError, match=r"\['w'\]: .*differ in 1 of 2 elements"):
+        assert_trees_equal(
+            {"w": np.array(["a", 1], dtype=object)}, {"w": np.array(["a", 2], dtype=object)}
+        )
+
+
+def test_python_complex_numbers_compare_bit_for_bit_nan_included():
+    nan = complex(float("nan"), 1.0)
+    assert_trees_equal({"z": nan}, {"z": complex(float("nan"), 1.0)})
+    with pytest.raises(AssertionError, match="value differs"):
+        assert_trees_equal({"z": complex(-0.0, 0.0)}, {"z": complex(0.0, 0.0)})
