@@ -54,3 +54,28 @@ def test_python_complex_numbers_compare_bit_for_bit_nan_included():
     assert_trees_equal({"z": nan}, {"z": complex(float("nan"), 1.0)})
     with pytest.raises(AssertionError, match="value differs"):
         assert_trees_equal({"z": complex(-0.0, 0.0)}, {"z": complex(0.0, 0.0)})
+
+
+def test_modules_keep_the_weak_type_of_batchnorms_counter_as_make_with_state_does():
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from eqx_train.testing import strategies as ets
+
+    _, real = eqx.nn.make_with_state(eqx.nn.BatchNorm)(2, "batch", mode="batch")
+    assert [x.weak_type for x in jax.tree.leaves(real) if x.dtype == jnp.int32] == [True]
+    bounded = settings(
+        max_examples=300,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+    _, state = find(
+        ets.modules(),
+        lambda pair: any(x.dtype == jnp.int32 for x in jax.tree.leaves(pair[1])),
+        settings=bounded,
+    )
+    assert [x.weak_type for x in jax.tree.leaves(state) if x.dtype == jnp.int32] == [True]
