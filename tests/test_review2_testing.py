@@ -79,3 +79,27 @@ def test_modules_keep_the_weak_type_of_batchnorms_counter_as_make_with_state_doe
         settings=bounded,
     )
     assert [x.weak_type for x in jax.tree.leaves(state) if x.dtype == jnp.int32] == [True]
+
+
+def test_checkpoint_roundtrip_fails_when_target_none_loses_the_weak_type(monkeypatch):
+    # Planted: a target=None restore that gives back a weakly typed array as NumPy (as
+    # before the file recorded weak types); the restore into the tree stays correct.
+    import jax
+    import jax.numpy as jnp
+
+    from eqx_train import checkpoints
+    from eqx_train.testing import assert_checkpoint_roundtrip
+
+    restore = checkpoints.restore_checkpoint
+
+    def strong_when_untargeted(path, target, **options):
+        restored = restore(path, target, **options)
+        if target is not None:
+            return restored
+        return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, restored)
+
+    tree = {"lr": jnp.asarray(0.1), "w": jnp.ones(2)}
+    assert_checkpoint_roundtrip(tree)
+    monkeypatch.setattr(checkpoints, "restore_checkpoint", strong_when_untargeted)
+    with pytest.raises(AssertionError, match=r"target=None: leaf 'lr' .*weak type"):
+        assert_checkpoint_roundtrip(tree)
