@@ -132,7 +132,9 @@ def _value_difference(
     i = int(np.argmax(differs))
     first_a, first_b = a.reshape(-1)[i], b.reshape(-1)[i]
     shown = f"{first_a!r} vs {first_b!r}"
-    if exact and a.dtype != np.object_ and str(first_a) == str(first_b):  # NaNs with other payloads, -0.0 and 0.0
+    if (
+        exact and a.dtype != np.object_ and str(first_a) == str(first_b)
+    ):  # NaNs with other payloads, -0.0 and 0.0
         bits_a, bits_b = (_bytes_per_element(x)[i][::-1].tobytes().hex() for x in (a, b))
         shown += f" (bits 0x{bits_a} vs 0x{bits_b})"
     return f"{how} differ in {count} of {a.size} elements, first at index {where}: {shown}"
