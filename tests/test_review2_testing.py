@@ -103,3 +103,24 @@ def test_checkpoint_roundtrip_fails_when_target_none_loses_the_weak_type(monkeyp
     monkeypatch.setattr(checkpoints, "restore_checkpoint", strong_when_untargeted)
     with pytest.raises(AssertionError, match=r"target=None: leaf 'lr' .*weak type"):
         assert_checkpoint_roundtrip(tree)
+
+
+def test_a_difference_in_an_eqx_nn_state_is_named_by_the_layers_marker():
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    class Two(eqx.Module):
+        a: eqx.nn.BatchNorm
+        b: eqx.nn.BatchNorm
+
+        def __init__(self):
+            self.a = eqx.nn.BatchNorm(2, "batch", mode="batch")
+            self.b = eqx.nn.BatchNorm(2, "batch", mode="batch")
+
+    model, state = eqx.nn.make_with_state(Two)()
+    clone = jax.tree.unflatten(jax.tree.structure(state), jax.tree.leaves(state))
+    changed = clone.set(model.b.batch_state_index, (jnp.full(2, 5.0, jnp.float32), jnp.ones(2)))
+    with pytest.raises(AssertionError) as raised:
+        assert_trees_equal({"bn_state": state}, {"bn_state": changed})
+    assert "differ at ['bn_state']['Two.b.batch_state_index'][0]: bits" in str(raised.value)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._tree import is_state, state_entries
+
 __all__ = ["assert_trees_equal"]
 
 _SHOWN_CHARS = 300  # how much of each side a failure message shows
@@ -46,6 +48,8 @@ def _children(node: Any) -> list[tuple[Any, Any]] | None:
     None when `node` is a leaf. Empty containers are nodes without children."""
     if node is None:
         return None
+    if is_state(node):  # keyed by StateIndex marker, as checkpoints name them, not position
+        return state_entries(node)
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return None
@@ -321,7 +325,9 @@ def assert_trees_equal(a: Any, b: Any, *, rtol: float | int = 0, atol: float | i
     **Raises:**
 
     `AssertionError` naming the first differing pytree path (`jax.tree_util.keystr`
-    notation), what differs there, both sides, and how many leaves differ in all.
+    notation; an `eqx.nn.State`'s entries keyed by their `StateIndex` markers, as
+    checkpoints name them: `['bn_state']['Net.norm.batch_state_index'][0]`), what differs
+    there, both sides, and how many leaves differ in all.
 
     ```python
     import jax.numpy as jnp
