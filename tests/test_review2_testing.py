@@ -124,3 +124,37 @@ def test_a_difference_in_an_eqx_nn_state_is_named_by_the_layers_marker():
     with pytest.raises(AssertionError) as raised:
         assert_trees_equal({"bn_state": state}, {"bn_state": changed})
     assert "differ at ['bn_state']['Two.b.batch_state_index'][0]: bits" in str(raised.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.dtype(np.int8)])
+def test_arrays_accept_a_single_dtype_as_hypothesis_does(dtype):
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from eqx_train.testing import strategies as ets
+
+    bounded = settings(
+        max_examples=20,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    drawn = find(ets.arrays(dtypes=dtype), lambda a: True, settings=bounded)
+    assert drawn.dtype == np.dtype(dtype)
+
+
+def test_keys_accept_a_single_implementation_name():
+    import jax
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from eqx_train.testing import strategies as ets
+
+    bounded = settings(
+        max_examples=20,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    key = find(ets.keys(impls="rbg"), lambda k: True, settings=bounded)
+    assert str(jax.random.key_impl(key)) == "rbg"
