@@ -111,7 +111,8 @@ def _value_difference(
         exact = True
     elif exact:
         differs = np.any(_bytes_per_element(a) != _bytes_per_element(b), axis=1)
-    elif a.dtype.kind in "iu":  # exactly, as Python ints: float64 rounds above 2**53
+    elif a.dtype.kind in "iu" and a.dtype.itemsize == 8:
+        # int64/uint64 exactly, as Python ints: float64 rounds them above 2**53.
         x, y = a.reshape(-1).tolist(), b.reshape(-1).tolist()
         differs = np.array(
             [abs(p - q) > atol + rtol * abs(q) for p, q in zip(x, y, strict=True)], dtype=bool
