@@ -158,3 +158,21 @@ def test_keys_accept_a_single_implementation_name():
     )
     key = find(ets.keys(impls="rbg"), lambda k: True, settings=bounded)
     assert str(jax.random.key_impl(key)) == "rbg"
+
+
+def test_a_differing_static_field_is_named_not_dumped_as_a_treedef():
+    import equinox as eqx
+    import jax
+    import optax
+
+    from eqx_train import TrainState
+
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    a = TrainState.create(model=model, tx=optax.adam(1e-3))
+    b = TrainState.create(model=model, tx=optax.adam(1e-3))  # another tx object
+    with pytest.raises(AssertionError) as raised:
+        assert_trees_equal({"state": a}, {"state": b})
+    message = str(raised.value)
+    assert "['state']: node metadata (static fields) differs: static field 'tx'" in message
+    assert "another GradientTransformationExtraArgs object" in message
+    assert "PyTreeDef" not in message

@@ -9,6 +9,8 @@ Leaves are compared by kind first, then by what that kind holds (see `_leaf_diff
 from __future__ import annotations
 
 import cmath
+import dataclasses
+import re
 import struct
 from typing import Any
 
@@ -235,8 +237,42 @@ def _node_difference(a: Any, b: Any, pairs_a: list, pairs_b: list) -> str | None
     except Exception:  # metadata whose == cannot answer (an array in a static field)
         same = False
     if not same:
+        field = _static_field_difference(a, b)
+        if field is not None:
+            return f"node metadata (static fields) differs: {field}"
         return f"node metadata (static fields) differs: {level_a} vs {level_b}"
     return None
+
+
+def _static_field_difference(a: Any, b: Any) -> str | None:
+    """Which static field of two Equinox modules of one type differs, and how; None when
+    the nodes are not dataclasses or no single field can be named."""
+    if not dataclasses.is_dataclass(a):
+        return None
+    for field in dataclasses.fields(a):
+        if not field.metadata.get("static", False):
+            continue
+        x, y = getattr(a, field.name, None), getattr(b, field.name, None)
+        try:
+            same = x is y or bool(x == y)
+        except Exception:  # an array-valued or failing __eq__
+            same = False
+        if not same:
+            how = (
+                f"another {type(x).__name__} object (equal only if the same object)"
+                if type(x) is type(y) and _ADDRESS.sub("", repr(x)) == _ADDRESS.sub("", repr(y))
+                else f"{_short(x)} vs {_short(y)}"
+            )
+            return f"static field '{field.name}': {how}"
+    return None
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a repr: differs between equal-looking objects
+
+
+def _short(x: Any, limit: int = 80) -> str:
+    text = " ".join(repr(x).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def tree_differences(
