@@ -359,8 +359,8 @@ def _check_opt_state(tx: Any, opt_state: PyTree, params: PyTree) -> None:
     raise ValueError(
         "TrainState.apply_gradients: `opt_state` is not what `tx` makes for the trainable "
         f"leaves of `model` ({difference}): the model was changed after `create` (e.g. by "
-        "eqx.tree_at), `tx` was replaced without a new `opt_state`, or the state holds "
-        "another state's `opt_state`. Build the state again with "
+        "eqx.tree_at), `tx` or `trainable` was replaced without a new `opt_state`, or the "
+        "state holds another state's `opt_state`. Build the state again with "
         "TrainState.create(model=new_model, tx=tx) (a new `tx` needs its own `opt_state`)."
     )
 
