@@ -13,7 +13,8 @@ from eqx_train import TrainState
 def test_a_tx_replaced_without_its_opt_state_is_named_not_an_attribute_error():
     state = TrainState.create(model={"w": jnp.ones(2)}, tx=optax.adam(0.1))
     momentum = state.replace(tx=optax.sgd(0.1, momentum=0.9))  # still Adam's opt_state
-    with pytest.raises(ValueError, match=r"is not what `tx` makes .*`tx` or `trainable` was replaced"):
+    expected = r"is not what `tx` makes .*`tx` or `trainable` was replaced"
+    with pytest.raises(ValueError, match=expected):
         momentum.apply_gradients(grads={"w": jnp.ones(2)})
 
 
