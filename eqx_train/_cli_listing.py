@@ -53,7 +53,7 @@ def listing_lines(
     lines = []
     for i, (entry, m) in enumerate(zip(listing, metrics, strict=True)):
         layout = ".shards" if entry.sharded else "file"
-        shown = m if isinstance(m, str) else " ".join(f"{k}={v:g}" for k, v in (m or {}).items())
+        shown = m if isinstance(m, str) else " ".join(_shown(k, v) for k, v in (m or {}).items())
         mark = "*" if i == best else " "
         line = f"{mark} step {entry.text:<10} {layout:<8} {os.path.basename(entry.path)}  {shown}"
         lines.append(line.rstrip())
@@ -62,6 +62,13 @@ def listing_lines(
     elif names and metric is None:
         lines.append(f"metrics {sorted(names)}: choose the best with --best-metric NAME")
     return lines
+
+
+def _shown(name: str, value: Any) -> str:
+    """`name=value`, a number in `:g` form; anything else a header may hold (written by
+    another tool or version) as its repr, rather than failing the whole listing."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return f"{name}={value:g}" if number else f"{name}={short(value, 40)}"
 
 
 def _metrics(metadata_at: Callable[[str], dict[str, str]], path: str) -> Metrics:

@@ -324,7 +324,9 @@ class TrainState(eqx.Module):
             )
         try:
             updates, new_opt_state = self.tx.update(trainable_grads, self.opt_state, params)
-        except (ValueError, TypeError):
+        # An optimiser's update meeting a state it did not make fails in whatever way it
+        # reads it (a structure mismatch, a missing attribute such as `trace`, an index).
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError):
             _check_opt_state(self.tx, self.opt_state, params)
             raise
         new_params = optax.apply_updates(params, updates)
@@ -357,8 +359,9 @@ def _check_opt_state(tx: Any, opt_state: PyTree, params: PyTree) -> None:
     raise ValueError(
         "TrainState.apply_gradients: `opt_state` is not what `tx` makes for the trainable "
         f"leaves of `model` ({difference}): the model was changed after `create` (e.g. by "
-        "eqx.tree_at), or the state holds another state's `opt_state`. Build the state "
-        "again with TrainState.create(model=new_model, tx=tx)."
+        "eqx.tree_at), `tx` or `trainable` was replaced without a new `opt_state`, or the "
+        "state holds another state's `opt_state`. Build the state again with "
+        "TrainState.create(model=new_model, tx=tx) (a new `tx` needs its own `opt_state`)."
     )
 
 

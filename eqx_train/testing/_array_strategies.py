@@ -71,6 +71,8 @@ def _as_strategy(value: Any, what: str) -> st.SearchStrategy:
         return value
     if what == "shapes":
         return st.just(tuple(value))
+    if isinstance(value, str | type | np.dtype):  # one dtype, as hypothesis's arrays take it
+        return st.just(np.dtype(value))
     return st.sampled_from([np.dtype(d) for d in value])
 
 
@@ -90,7 +92,7 @@ def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -
 
 
 def arrays(
-    dtypes: Sequence[Any] | st.SearchStrategy = DTYPES,
+    dtypes: Sequence[Any] | st.SearchStrategy | Any = DTYPES,
     shapes: tuple[int, ...] | st.SearchStrategy | None = None,
 ) -> st.SearchStrategy[np.ndarray]:
     """NumPy arrays of any dtype eqx_train saves (`DTYPES`: bool, every int and uint width
@@ -103,8 +105,8 @@ def arrays(
 
     **Arguments:**
 
-    - `dtypes`: the dtypes to draw from (a sequence, simplest first, or a strategy of
-      dtypes). Default: `DTYPES`.
+    - `dtypes`: the dtypes to draw from (a sequence, simplest first, one dtype, or a
+      strategy of dtypes). Default: `DTYPES`.
     - `shapes`: a fixed shape, or a strategy of shapes. Default: `shapes()`, rank 0 to 3,
       sides 0 to 4.
 
@@ -125,7 +127,7 @@ def _keys(draw: Draw, impls: st.SearchStrategy, shapes_: st.SearchStrategy) -> j
 
 
 def keys(
-    impls: Sequence[str] = tuple(_KEY_WORDS),
+    impls: Sequence[str] | str = tuple(_KEY_WORDS),
     shapes: tuple[int, ...] | st.SearchStrategy = (),
 ) -> st.SearchStrategy[jax.Array]:
     """Typed PRNG keys (`jax.random.key`'s kind, not legacy uint32 keys) with random key
@@ -133,7 +135,7 @@ def keys(
 
     **Arguments:**
 
-    - `impls`: the key implementations to draw from, simplest first
+    - `impls`: the key implementations to draw from, simplest first, or one name
       (default: `"threefry2x32"`, `"rbg"`, `"unsafe_rbg"`).
     - `shapes`: the key array's shape (default `()`, one key), or a strategy of shapes.
 
@@ -141,6 +143,7 @@ def keys(
 
     A strategy of typed key arrays.
     """
+    impls = (impls,) if isinstance(impls, str) else tuple(impls)  # one name, or several
     unknown = [impl for impl in impls if impl not in _KEY_WORDS]
     if unknown or not impls:
         raise ValueError(f"keys: unknown key implementation(s) {unknown}; use {list(_KEY_WORDS)}.")

@@ -8,7 +8,9 @@ Leaves are compared by kind first, then by what that kind holds (see `_leaf_diff
 
 from __future__ import annotations
 
-import math
+import cmath
+import dataclasses
+import re
 import struct
 from typing import Any
 
@@ -16,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+
+from .._tree import is_state, state_entries
 
 __all__ = ["assert_trees_equal"]
 
@@ -46,6 +50,8 @@ def _children(node: Any) -> list[tuple[Any, Any]] | None:
     None when `node` is a leaf. Empty containers are nodes without children."""
     if node is None:
         return None
+    if is_state(node):  # keyed by StateIndex marker, as checkpoints name them, not position
+        return state_entries(node)
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:
         return None
@@ -101,8 +107,18 @@ def _value_difference(
     if a.size == 0:
         return None
     exact = (rtol == 0 and atol == 0) or a.dtype == np.bool_
-    if exact:
+    if a.dtype == np.object_:  # references, not bytes: each element compared with ==
+        pairs = zip(a.reshape(-1), b.reshape(-1), strict=True)
+        differs = np.array([_other_difference(x, y) is not None for x, y in pairs])
+        exact = True
+    elif exact:
         differs = np.any(_bytes_per_element(a) != _bytes_per_element(b), axis=1)
+    elif a.dtype.kind in "iu" and a.dtype.itemsize == 8:
+        # int64/uint64 exactly, as Python ints: float64 rounds them above 2**53.
+        x, y = a.reshape(-1).tolist(), b.reshape(-1).tolist()
+        differs = np.array(
+            [abs(p - q) > atol + rtol * abs(q) for p, q in zip(x, y, strict=True)], dtype=bool
+        )
     else:
         x, y = (
             a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
@@ -110,23 +126,30 @@ def _value_difference(
         )
         with np.errstate(invalid="ignore", over="ignore"):
             close = np.abs(x - y) <= atol + rtol * np.abs(y)
+        # An infinity is close only to itself (|inf - x| <= rtol * inf would hold for any x).
+        close &= np.isfinite(x) & np.isfinite(y)
         close |= (np.isnan(x) & np.isnan(y)) | (x == y)
         differs = ~close.reshape(-1)
     count = int(np.count_nonzero(differs))
     if count == 0:
         return None
     how = "bits" if exact else f"values (rtol={rtol}, atol={atol})"
+    how = "values (by ==)" if a.dtype == np.object_ else how
     where = _first_index(differs, a.shape)
     i = int(np.argmax(differs))
     first_a, first_b = a.reshape(-1)[i], b.reshape(-1)[i]
     shown = f"{first_a!r} vs {first_b!r}"
-    if exact and str(first_a) == str(first_b):  # NaNs with other payloads, -0.0 and 0.0
+    if (
+        exact and a.dtype != np.object_ and str(first_a) == str(first_b)
+    ):  # NaNs with other payloads, -0.0 and 0.0
         bits_a, bits_b = (_bytes_per_element(x)[i][::-1].tobytes().hex() for x in (a, b))
         shown += f" (bits 0x{bits_a} vs 0x{bits_b})"
     return f"{how} differ in {count} of {a.size} elements, first at index {where}: {shown}"
 
 
-def _float_bits(x: float) -> bytes:
+def _float_bits(x: float | complex) -> bytes:
+    if isinstance(x, complex):
+        return struct.pack("<dd", x.real, x.imag)
     return struct.pack("<d", x)
 
 
@@ -134,12 +157,15 @@ def _scalar_difference(a: Any, b: Any, rtol: float | int, atol: float | int) -> 
     if type(a) is not type(b):
         return f"type differs: {type(a).__name__} vs {type(b).__name__}"
     if rtol == 0 and atol == 0:
-        same = _float_bits(a) == _float_bits(b) if isinstance(a, float) else a == b
+        same = _float_bits(a) == _float_bits(b) if isinstance(a, float | complex) else a == b
     elif isinstance(a, bool):
         same = a == b
+    elif isinstance(a, int):
+        same = abs(a - b) <= atol + rtol * abs(b)
     else:
-        nans = isinstance(a, float) and math.isnan(a) and math.isnan(b)
-        same = nans or a == b or abs(a - b) <= atol + rtol * abs(b)
+        nans = cmath.isnan(a) and cmath.isnan(b)
+        finite = cmath.isfinite(a) and cmath.isfinite(b)  # an infinity is close only to itself
+        same = nans or a == b or (finite and abs(a - b) <= atol + rtol * abs(b))
     return None if same else "value differs"
 
 
@@ -211,8 +237,42 @@ def _node_difference(a: Any, b: Any, pairs_a: list, pairs_b: list) -> str | None
     except Exception:  # metadata whose == cannot answer (an array in a static field)
         same = False
     if not same:
+        field = _static_field_difference(a, b)
+        if field is not None:
+            return f"node metadata (static fields) differs: {field}"
         return f"node metadata (static fields) differs: {level_a} vs {level_b}"
     return None
+
+
+def _static_field_difference(a: Any, b: Any) -> str | None:
+    """Which static field of two Equinox modules of one type differs, and how; None when
+    the nodes are not dataclasses or no single field can be named."""
+    if not dataclasses.is_dataclass(a):
+        return None
+    for field in dataclasses.fields(a):
+        if not field.metadata.get("static", False):
+            continue
+        x, y = getattr(a, field.name, None), getattr(b, field.name, None)
+        try:
+            same = x is y or bool(x == y)
+        except Exception:  # an array-valued or failing __eq__
+            same = False
+        if not same:
+            how = (
+                f"another {type(x).__name__} object (equal only if the same object)"
+                if type(x) is type(y) and _ADDRESS.sub("", repr(x)) == _ADDRESS.sub("", repr(y))
+                else f"{_short(x)} vs {_short(y)}"
+            )
+            return f"static field '{field.name}': {how}"
+    return None
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a repr: differs between equal-looking objects
+
+
+def _short(x: Any, limit: int = 80) -> str:
+    text = " ".join(repr(x).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def tree_differences(
@@ -302,7 +362,9 @@ def assert_trees_equal(a: Any, b: Any, *, rtol: float | int = 0, atol: float | i
     **Raises:**
 
     `AssertionError` naming the first differing pytree path (`jax.tree_util.keystr`
-    notation), what differs there, both sides, and how many leaves differ in all.
+    notation; an `eqx.nn.State`'s entries keyed by their `StateIndex` markers, as
+    checkpoints name them: `['bn_state']['Net.norm.batch_state_index'][0]`), what differs
+    there, both sides, and how many leaves differ in all.
 
     ```python
     import jax.numpy as jnp

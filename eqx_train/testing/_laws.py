@@ -54,13 +54,17 @@ def _restore_options(options: dict[str, Any]) -> dict[str, Any]:
 def _saved_form(leaf: Any) -> tuple[Any, ...] | None:
     """What of a leaf a checkpoint keeps, as a comparable tuple: arrays by dtype, shape and
     bytes, typed keys by implementation, shape and key data, Python scalars by type and
-    bits, strings by value; None for leaves that are not saved (functions...)."""
+    bits, strings by value; None for leaves that are not saved (functions...). Arrays by
+    weak type too."""
     if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         data = np.asarray(jax.random.key_data(leaf))
         return ("key", str(jax.random.key_impl(leaf)), leaf.shape, data.tobytes())
     if isinstance(leaf, jax.Array | np.ndarray | np.generic):
         values = np.asarray(leaf)
-        return ("array", str(values.dtype), values.shape, values.tobytes())
+        # The file records a weak type, so that target=None gives a weakly typed jax.Array
+        # back (a strongly typed array comes back as NumPy, whose weak type is False).
+        weak = bool(getattr(leaf, "weak_type", False))
+        return ("array", str(values.dtype), values.shape, values.tobytes(), weak)
     if isinstance(leaf, float):
         return ("float", struct.pack("<d", leaf))
     if isinstance(leaf, bool | int):
@@ -68,6 +72,13 @@ def _saved_form(leaf: Any) -> tuple[Any, ...] | None:
     if isinstance(leaf, str):
         return ("str", leaf)
     return None
+
+
+def _what_differs(saved: tuple[Any, ...], restored: tuple[Any, ...]) -> str:
+    """How two unequal `_saved_form`s differ, as the message says it."""
+    if saved[0] == restored[0] == "array" and saved[:-1] == restored[:-1]:
+        return "weak type differs"  # an array's form ends with its weak type
+    return "dtype, shape or bits differ"
 
 
 def _saved_leaves(tree: Any) -> dict[str, tuple[Any, Any]]:
@@ -83,7 +94,7 @@ def _saved_leaves(tree: Any) -> dict[str, tuple[Any, Any]]:
 
 def _check_as_saved(tree: Any, as_saved: Any, filter_spec: Any, path: str) -> None:
     """Every leaf saved from `tree` is in `as_saved` (a `target=None` restore) under the
-    same name, with the same dtype, shape and bits; and nothing else is."""
+    same name, with the same dtype, shape, weak type and bits; and nothing else is."""
     if filter_spec is not None:
         tree = eqx.filter(tree, filter_spec)
     expected, got = _saved_leaves(tree), _saved_leaves(as_saved)
@@ -98,7 +109,12 @@ def _check_as_saved(tree: Any, as_saved: Any, filter_spec: Any, path: str) -> No
         if name not in expected
     ]
     problems += [
-        (name, "dtype, shape or bits differ", show(expected[name][0]), show(got[name][0]))
+        (
+            name,
+            _what_differs(expected[name][1], got[name][1]),
+            show(expected[name][0]),
+            show(got[name][0]),
+        )
         for name in expected
         if name in got and expected[name][1] != got[name][1]
     ]
@@ -124,8 +140,8 @@ def assert_checkpoint_roundtrip(
        shardings, bits, the Python configuration of Equinox modules, and weak types
        (a restore returns leaves jitted code cannot tell from the target's);
     2. restores it with `target=None` and asserts that every saved leaf comes back under
-       the same dotted name with the same dtype, shape and bits (typed keys: the same
-       implementation and key data), and that nothing else does.
+       the same dotted name with the same dtype, shape, weak type and bits (typed keys: the
+       same implementation and key data), and that nothing else does.
 
     **Arguments:**
 

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from hypothesis import strategies as st
 
+from ..checkpoints._description import as_weak
 from ..train_state import TrainState
 from ._array_strategies import Draw
 
@@ -54,7 +55,9 @@ def _global_random_untouched() -> Iterator[None]:
 
 def _fill(tree: Any, rng: np.random.Generator, *, non_negative: bool = False) -> Any:
     """Every `ShapeDtypeStruct` of `tree` replaced by a JAX array of random values of its
-    shape and dtype (floats normal, or uniform in [0, 1) if `non_negative`; ints 0..9)."""
+    shape, dtype and weak type (floats normal, or uniform in [0, 1) if `non_negative`; ints
+    0..9). The weak type matters: `eqx.nn.BatchNorm`'s counter is weakly typed, and a model
+    drawn here must be one `eqx.nn.make_with_state` could have made."""
 
     def fill(x: Any) -> Any:
         if not isinstance(x, jax.ShapeDtypeStruct):
@@ -67,7 +70,8 @@ def _fill(tree: Any, rng: np.random.Generator, *, non_negative: bool = False) ->
         else:
             draw = rng.random if non_negative else rng.standard_normal
             values = draw(x.shape).astype(dtype)
-        return jax.device_put(values)  # a transfer; jnp.asarray would run a jitted copy
+        array = jax.device_put(values)  # a transfer; jnp.asarray would run a jitted copy
+        return as_weak(array) if getattr(x, "weak_type", False) else array
 
     return jax.tree.map(fill, tree)
 
