@@ -395,6 +395,63 @@ elif mode == "rp_save":  # save step 5, restore it at once; DIR/checkpoint_5.sha
         print(f"READ_ALL {pid} {rp_restore(path, 5, replica_parallel=False)}", flush=True)
 elif mode == "rp_restore":  # restore DIR (a checkpoint of step OTHER) onto this job
     print(f"READ {pid} {rp_restore(directory, int(other), **rp_options)}", flush=True)
+elif mode == "rp_race":  # process 1 lists the directory before step 2 lands
+    for step in (1, 2):
+        checkpoints.save_checkpoint_multiprocess(
+            directory, rp_tree(step), step, keep=2, timeout_s=60
+        )
+    if pid == 1:
+        from eqx_train.checkpoints import _directory
+
+        real_list = _directory.list_checkpoints
+
+        def stale_once(*args, **kwargs):
+            _directory.list_checkpoints = real_list
+            return [e for e in real_list(*args, **kwargs) if e.text != "2"]
+
+        _directory.list_checkpoints = stale_once
+    # Each process reads its half of each replicated block from the checkpoint it chose:
+    # never half of step 2 and half of step 1 in one array.
+    rp_check(checkpoints.restore_checkpoint(directory, rp_tree(0)), 2)
+    if pid == 1:
+        assert _directory.list_checkpoints is real_list  # the stale listing was used
+elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
+    import warnings
+
+    import ml_dtypes
+
+    checkpoints.save_checkpoint_multiprocess(directory, rp_tree(5), 5, timeout_s=60)
+    tree = rp_tree(0)
+    target = {
+        "renamed": tree["rep"],  # renamed: read once
+        "tied_a": tree["model"].weight,  # two leaves from one tensor: read block by block
+        "tied_b": tree["model"].weight,
+        "wide": jax.ShapeDtypeStruct(  # cast on the host, replicated: block by block
+            (64, 32), np.float32, sharding=tree["rep"].sharding
+        ),
+    }
+    sources = {"renamed": "rep", "tied_a": "model.weight", "tied_b": "model.weight"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoints.PartialRestoreWarning)
+        got = checkpoints.restore_checkpoint(
+            directory,
+            target,
+            strict=False,
+            rename=lambda name: sources.get(name, "part" if name == "wide" else name),
+            casting="safe",
+        )
+    want = rp_values(5)
+    expected = {
+        "renamed": want["rep"],
+        "tied_a": want["model"]["weight"],
+        "tied_b": want["model"]["weight"],
+        "wide": want["part"].astype(np.float32),
+    }
+    assert want["part"].dtype == ml_dtypes.bfloat16
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype and got[name].sharding == target[name].sharding
+        for shard in got[name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), array[shard.index], strict=True)
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

@@ -256,6 +256,23 @@ def test_four_processes_split_every_replica_and_restore_onto_two_and_one(tmp_pat
     assert _read(one) == [REPLICATED + PART + HOST_LOCAL]
 
 
+def test_processes_that_list_different_latest_checkpoints_never_mix_them_in_one_array(
+    tmp_path,
+):
+    """A save lands between two processes' listings (a trainer saving while a multi-process
+    job restores the latest): each process reads its share of the block from the checkpoint
+    it listed. The read-once exchange compares what they opened, so they look again and
+    agree on step 2, instead of assembling rows of step 2 and of step 1 into one array."""
+    _run_job("rp_race", 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_read_once_restores_beside_renamed_tied_and_cast_leaves_in_two_processes(tmp_path):
+    """A renamed replicated leaf is read once; two leaves tied to one tensor and a leaf cast
+    from bfloat16 are read block by block beside it: all bit-exact, in their shardings."""
+    _run_job("rp_rename", 2, tmp_path)
+
+
 def test_a_capped_proxy_holds_its_rate_and_counts_every_byte_each_way(s3_server, s3_bucket):
     """The benchmark's host link: 256 KiB up and back down at 1 MiB/s take at least 0.25 s
     each way, and the counters hold the bodies plus no more than the requests' heads."""

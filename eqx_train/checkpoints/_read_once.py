@@ -22,8 +22,10 @@ or on none, so no process enters the collective without the others.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -96,6 +98,15 @@ def _read_staged(reader: Any, name: str, leaf: Any, staging: Any, verify: bool) 
     return jax.make_array_from_single_device_arrays(shape, staging, blocks)
 
 
+def _fingerprint(reader: Any) -> dict[str, str]:
+    """What `reader` opened, the same on every process that opened the same save: its name
+    and a digest of its metadata (a `.shards` index cites its save's unique piece files; a
+    file's metadata holds its step and its tensors' checksums)."""
+    metadata = json.dumps(getattr(reader, "metadata", {}), sort_keys=True)
+    digest = hashlib.sha256(metadata.encode()).hexdigest()[:16]
+    return {"name": os.path.basename(str(reader.path).rstrip("/" + os.sep)), "digest": digest}
+
+
 def _identity(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return arrays
 
@@ -123,7 +134,7 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
     failure: BaseException | None = None
     try:
         staged = [_read_staged(reader, n, leaf, s, verify) for n, leaf, s in chosen]
-        status = {"ok": True}
+        status = {"ok": True, "read": _fingerprint(reader)}
     except Exception as error:  # reported to the others, then raised here
         failure = error
         kind = "gone" if isinstance(error, FileNotFoundError) else "other"
@@ -155,6 +166,18 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
         if report["kind"] == "format":
             raise reader.bad(why)
         raise RuntimeError(f"{CALLER}: the restore of {reader.path} failed: {why}.")
+    read = [r["read"] for r in reports]
+    if len({(r["name"], r["digest"]) for r in read}) > 1:
+        # Each process opened its own checkpoint (a save landed between their listings, or
+        # an overwrite between their opens): the runs of one block must all come from one.
+        for array in staged:
+            array.delete()
+        listed = ", ".join(f"process {i}: {r['name']} ({r['digest']})" for i, r in enumerate(read))
+        raise FileNotFoundError(
+            f"{CALLER}: the processes opened different checkpoints ({listed}; the digest is "
+            "of each one's metadata), so their shares of one array cannot be assembled; "
+            "looking again. Every process must restore the same checkpoint."
+        )
     targets = tuple(leaf.sharding for _, leaf, _ in chosen)
     placed = jax.jit(_identity, out_shardings=targets)(*staged)
     for array in staged:
