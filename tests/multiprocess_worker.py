@@ -431,6 +431,16 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
         ),
     }
     sources = {"renamed": "rep", "tied_a": "model.weight", "tied_b": "model.weight"}
+    from eqx_train.checkpoints import _read_once
+
+    real_place, placed = _read_once.place, []
+
+    def spy(*args, **kwargs):
+        result = real_place(*args, **kwargs)
+        placed.extend(result)
+        return result
+
+    _read_once.place = spy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", checkpoints.PartialRestoreWarning)
         got = checkpoints.restore_checkpoint(
@@ -440,6 +450,7 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
             rename=lambda name: sources.get(name, "part" if name == "wide" else name),
             casting="safe",
         )
+    assert placed == ["rep"], placed  # only the renamed leaf was read once
     want = rp_values(5)
     expected = {
         "renamed": want["rep"],
@@ -452,6 +463,27 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
         assert got[name].dtype == array.dtype and got[name].sharding == target[name].sharding
         for shard in got[name].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), array[shard.index], strict=True)
+elif mode == "rp_lone":  # process 0 restores alone once; then both restore together
+    import warnings
+
+    from eqx_train.checkpoints import _coordination, _read_once
+
+    def barrier():
+        _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
+
+    checkpoints.save_checkpoint_multiprocess(directory, rp_tree(5), 5, timeout_s=60)
+    _read_once.TIMEOUT_S = 3  # the wait for the absent peer, shortened
+    if pid == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rp_check(checkpoints.restore_checkpoint(directory, rp_tree(0)), 5)
+        assert any("did not arrive" in str(w.message) for w in caught), caught
+    barrier()
+    for _ in range(2):  # each read once again, without waiting out a timeout
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print(f"READ {pid} {rp_restore(directory, 5)}", flush=True)
+        assert not caught, [str(w.message) for w in caught]
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

@@ -266,6 +266,16 @@ def test_processes_that_list_different_latest_checkpoints_never_mix_them_in_one_
     _run_job("rp_race", 2, tmp_path)
 
 
+def test_a_restore_one_process_makes_alone_leaves_the_next_ones_reading_once(tmp_path):
+    """Process 0 restores without its peer (it waits out the shortened timeout and reads
+    everything): the two processes' later restores still meet, each reading only its
+    share and with no warning, instead of one waiting out the timeout every time."""
+    outputs = _run_job("rp_lone", 2, tmp_path)
+    share = (REPLICATED + PART) // 2 + HOST_LOCAL
+    reads = [re.findall(r"^READ \d+ (\d+)$", out, re.M) for out in outputs]
+    assert reads == [[str(share)] * 2] * 2, reads
+
+
 @pytest.mark.slow
 def test_read_once_restores_beside_renamed_tied_and_cast_leaves_in_two_processes(tmp_path):
     """A renamed replicated leaf is read once; two leaves tied to one tensor and a leaf cast
