@@ -420,7 +420,17 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
 
     import ml_dtypes
 
-    checkpoints.save_checkpoint_multiprocess(directory, rp_tree(5), 5, timeout_s=60)
+    def keys(seed):  # typed PRNG keys, replicated on every process: one, and a batch of 3
+        replicated = rp_tree(0)["rep"].sharding
+        make = jax.jit(
+            lambda: (jax.random.key(seed), jax.random.split(jax.random.key(seed), 3)),
+            out_shardings=(replicated, replicated),
+        )
+        return make()
+
+    checkpoints.save_checkpoint_multiprocess(
+        directory, {**rp_tree(5), "keys": keys(5)}, 5, timeout_s=60
+    )
     tree = rp_tree(0)
     target = {
         "renamed": tree["rep"],  # renamed: read once
@@ -459,6 +469,16 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
         "wide": want["part"].astype(np.float32),
     }
     assert want["part"].dtype == ml_dtypes.bfloat16
+    # The keys' data, each cut between the processes at the save, read back as saved.
+    # (Not into a target of replicated keys: their restore places them with device_put,
+    # which refuses a sharding over several processes; see the review's report.)
+    saved_keys = checkpoints.restore_checkpoint(directory, None)["keys"]
+    local = (jax.random.key(5), jax.random.split(jax.random.key(5), 3))  # on this host
+    for got_key, want_key in zip(saved_keys, local, strict=True):
+        assert jax.random.key_impl(got_key) == jax.random.key_impl(want_key)
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(got_key)), np.asarray(jax.random.key_data(want_key))
+        )
     for name, array in expected.items():
         assert got[name].dtype == array.dtype and got[name].sharding == target[name].sharding
         for shard in got[name].addressable_shards:

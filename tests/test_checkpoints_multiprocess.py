@@ -279,7 +279,8 @@ def test_a_restore_one_process_makes_alone_leaves_the_next_ones_reading_once(tmp
 @pytest.mark.slow
 def test_read_once_restores_beside_renamed_tied_and_cast_leaves_in_two_processes(tmp_path):
     """A renamed replicated leaf is read once; two leaves tied to one tensor and a leaf cast
-    from bfloat16 are read block by block beside it: all bit-exact, in their shardings."""
+    from bfloat16 are read block by block beside it: all bit-exact, in their shardings.
+    Typed PRNG keys replicated on both processes are saved split between them too."""
     _run_job("rp_rename", 2, tmp_path)
 
 

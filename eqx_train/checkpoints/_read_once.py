@@ -158,13 +158,16 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
     **Returns:**
 
     The placed arrays by name; `{}` (with a warning) when a peer did not arrive within
-    `TIMEOUT_S`, so that the caller reads every leaf block by block.
+    `TIMEOUT_S`, or arrived with other leaves to read once (another restore call), so that
+    the caller reads every leaf block by block.
 
     **Raises:**
 
     On the process whose reads failed, its own error; on the others, naming that process,
     `CheckpointFormatError` (a corrupt piece), `FileNotFoundError` (the checkpoint was
-    replaced meanwhile: the caller looks again) or `RuntimeError`.
+    replaced meanwhile: the caller looks again) or `RuntimeError`. On every process,
+    `FileNotFoundError` when the processes opened different checkpoints (a save landed
+    between their listings): the caller looks again.
     """
     chosen = [(n, leaf, s) for n, leaf in leaves if (s := staging_sharding(leaf)) is not None]
     if not chosen:
