@@ -120,7 +120,7 @@ def rp_check(tree, step):
     assert tree["n"] == step
 
 
-def rp_restore(path, step, **options):
+def rp_restore(path, step, restore=None, **options):
     """Restores `path` onto this job's tree, checks it, and returns the tensor bytes this
     process read from the checkpoint's piece files (what a verified read fetches)."""
     import math
@@ -137,7 +137,8 @@ def rp_restore(path, step, **options):
 
     _format.FileReader._fill = fill
     try:
-        rp_check(checkpoints.restore_checkpoint(path, rp_tree(0), **options), step)
+        restore = restore or checkpoints.restore_checkpoint
+        rp_check(restore(path, rp_tree(0), **options), step)
     finally:
         _format.FileReader._fill = real_fill
     return counted[0]
@@ -393,6 +394,11 @@ elif mode == "rp_save":  # save step 5, restore it at once; DIR/checkpoint_5.sha
     print(f"READ {pid} {rp_restore(path, 5, **rp_options)}", flush=True)
     if other is not None:  # and again, each process reading all the blocks it holds
         print(f"READ_ALL {pid} {rp_restore(path, 5, replica_parallel=False)}", flush=True)
+elif mode == "rp_manager":  # a manager with replica_parallel=False: the layout of before
+    manager = checkpoints.CheckpointManager(directory, replica_parallel=False, timeout_s=60)
+    manager.save(5, rp_tree(5))
+    read = rp_restore(directory, 5, restore=lambda _, target: manager.restore(target))
+    print(f"READ {pid} {read}", flush=True)
 elif mode == "rp_restore":  # restore DIR (a checkpoint of step OTHER) onto this job
     print(f"READ {pid} {rp_restore(directory, int(other), **rp_options)}", flush=True)
 elif mode == "rp_race":  # process 1 lists the directory before step 2 lands

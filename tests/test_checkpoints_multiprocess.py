@@ -239,6 +239,15 @@ def test_replica_parallel_false_writes_the_layout_of_before(tmp_path):
     assert _arrays_table(shards) == _arrays_table(FIXTURE)
 
 
+def test_a_manager_with_replica_parallel_false_writes_and_reads_as_before(tmp_path):
+    """`CheckpointManager(replica_parallel=False)`: process 0 writes every replicated block
+    whole, and restoring, each process reads all the blocks it holds."""
+    outputs = _run_job("rp_manager", 2, tmp_path)
+    written = _written(tmp_path / "checkpoint_5.shards")
+    assert written == {0: REPLICATED + PART // 2 + HOST_LOCAL, 1: PART // 2}
+    assert _read(outputs) == [REPLICATED + PART // 2 + HOST_LOCAL] * 2
+
+
 @pytest.mark.slow
 def test_four_processes_split_every_replica_and_restore_onto_two_and_one(tmp_path):
     """Replicated blocks cost each of 4 processes a quarter; a block sharded over 2 and
