@@ -120,7 +120,7 @@ def rp_check(tree, step):
     assert tree["n"] == step
 
 
-def rp_restore(path, step, **options):
+def rp_restore(path, step, restore=None, **options):
     """Restores `path` onto this job's tree, checks it, and returns the tensor bytes this
     process read from the checkpoint's piece files (what a verified read fetches)."""
     import math
@@ -137,7 +137,8 @@ def rp_restore(path, step, **options):
 
     _format.FileReader._fill = fill
     try:
-        rp_check(checkpoints.restore_checkpoint(path, rp_tree(0), **options), step)
+        restore = restore or checkpoints.restore_checkpoint
+        rp_check(restore(path, rp_tree(0), **options), step)
     finally:
         _format.FileReader._fill = real_fill
     return counted[0]
@@ -393,8 +394,122 @@ elif mode == "rp_save":  # save step 5, restore it at once; DIR/checkpoint_5.sha
     print(f"READ {pid} {rp_restore(path, 5, **rp_options)}", flush=True)
     if other is not None:  # and again, each process reading all the blocks it holds
         print(f"READ_ALL {pid} {rp_restore(path, 5, replica_parallel=False)}", flush=True)
+elif mode == "rp_manager":  # a manager with replica_parallel=False: the layout of before
+    manager = checkpoints.CheckpointManager(directory, replica_parallel=False, timeout_s=60)
+    manager.save(5, rp_tree(5))
+    read = rp_restore(directory, 5, restore=lambda _, target: manager.restore(target))
+    print(f"READ {pid} {read}", flush=True)
 elif mode == "rp_restore":  # restore DIR (a checkpoint of step OTHER) onto this job
     print(f"READ {pid} {rp_restore(directory, int(other), **rp_options)}", flush=True)
+elif mode == "rp_race":  # process 1 lists the directory before step 2 lands
+    for step in (1, 2):
+        checkpoints.save_checkpoint_multiprocess(
+            directory, rp_tree(step), step, keep=2, timeout_s=60
+        )
+    if pid == 1:
+        from eqx_train.checkpoints import _directory
+
+        real_list = _directory.list_checkpoints
+
+        def stale_once(*args, **kwargs):
+            _directory.list_checkpoints = real_list
+            return [e for e in real_list(*args, **kwargs) if e.text != "2"]
+
+        _directory.list_checkpoints = stale_once
+    # Each process reads its half of each replicated block from the checkpoint it chose:
+    # never half of step 2 and half of step 1 in one array.
+    rp_check(checkpoints.restore_checkpoint(directory, rp_tree(0)), 2)
+    if pid == 1:
+        assert _directory.list_checkpoints is real_list  # the stale listing was used
+elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
+    import warnings
+
+    import ml_dtypes
+
+    def keys(seed):  # typed PRNG keys, replicated on every process: one, and a batch of 3
+        replicated = rp_tree(0)["rep"].sharding
+        make = jax.jit(
+            lambda: (jax.random.key(seed), jax.random.split(jax.random.key(seed), 3)),
+            out_shardings=(replicated, replicated),
+        )
+        return make()
+
+    checkpoints.save_checkpoint_multiprocess(
+        directory, {**rp_tree(5), "keys": keys(5)}, 5, timeout_s=60
+    )
+    tree = rp_tree(0)
+    target = {
+        "renamed": tree["rep"],  # renamed: read once
+        "tied_a": tree["model"].weight,  # two leaves from one tensor: read block by block
+        "tied_b": tree["model"].weight,
+        "wide": jax.ShapeDtypeStruct(  # cast on the host, replicated: block by block
+            (64, 32), np.float32, sharding=tree["rep"].sharding
+        ),
+    }
+    sources = {"renamed": "rep", "tied_a": "model.weight", "tied_b": "model.weight"}
+    from eqx_train.checkpoints import _read_once
+
+    real_place, placed = _read_once.place, []
+
+    def spy(*args, **kwargs):
+        result = real_place(*args, **kwargs)
+        placed.extend(result)
+        return result
+
+    _read_once.place = spy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoints.PartialRestoreWarning)
+        got = checkpoints.restore_checkpoint(
+            directory,
+            target,
+            strict=False,
+            rename=lambda name: sources.get(name, "part" if name == "wide" else name),
+            casting="safe",
+        )
+    assert placed == ["rep"], placed  # only the renamed leaf was read once
+    want = rp_values(5)
+    expected = {
+        "renamed": want["rep"],
+        "tied_a": want["model"]["weight"],
+        "tied_b": want["model"]["weight"],
+        "wide": want["part"].astype(np.float32),
+    }
+    assert want["part"].dtype == ml_dtypes.bfloat16
+    # The keys' data, each cut between the processes at the save, read back as saved.
+    # (Not into a target of replicated keys: their restore places them with device_put,
+    # which refuses a sharding over several processes; see the review's report.)
+    saved_keys = checkpoints.restore_checkpoint(directory, None)["keys"]
+    local = (jax.random.key(5), jax.random.split(jax.random.key(5), 3))  # on this host
+    for got_key, want_key in zip(saved_keys, local, strict=True):
+        assert jax.random.key_impl(got_key) == jax.random.key_impl(want_key)
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(got_key)), np.asarray(jax.random.key_data(want_key))
+        )
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype and got[name].sharding == target[name].sharding
+        for shard in got[name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), array[shard.index], strict=True)
+elif mode == "rp_lone":  # process 0 restores alone once; then both restore together
+    import warnings
+
+    from eqx_train.checkpoints import _coordination, _read_once
+
+    def barrier():
+        _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
+
+    checkpoints.save_checkpoint_multiprocess(directory, rp_tree(5), 5, timeout_s=60)
+    _read_once.TIMEOUT_S = 3  # the wait for the absent peer, shortened
+    if pid == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rp_check(checkpoints.restore_checkpoint(directory, rp_tree(0)), 5)
+        assert any("did not arrive" in str(w.message) for w in caught), caught
+    barrier()
+    for _ in range(2):  # each read once again, without waiting out a timeout
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print(f"READ {pid} {rp_restore(directory, 5)}", flush=True)
+        assert not caught, [str(w.message) for w in caught]
 elif mode == "peer_dies":
     checkpoints.save_checkpoint_multiprocess(
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60

@@ -239,6 +239,15 @@ def test_replica_parallel_false_writes_the_layout_of_before(tmp_path):
     assert _arrays_table(shards) == _arrays_table(FIXTURE)
 
 
+def test_a_manager_with_replica_parallel_false_writes_and_reads_as_before(tmp_path):
+    """`CheckpointManager(replica_parallel=False)`: process 0 writes every replicated block
+    whole, and restoring, each process reads all the blocks it holds."""
+    outputs = _run_job("rp_manager", 2, tmp_path)
+    written = _written(tmp_path / "checkpoint_5.shards")
+    assert written == {0: REPLICATED + PART // 2 + HOST_LOCAL, 1: PART // 2}
+    assert _read(outputs) == [REPLICATED + PART // 2 + HOST_LOCAL] * 2
+
+
 @pytest.mark.slow
 def test_four_processes_split_every_replica_and_restore_onto_two_and_one(tmp_path):
     """Replicated blocks cost each of 4 processes a quarter; a block sharded over 2 and
@@ -254,6 +263,34 @@ def test_four_processes_split_every_replica_and_restore_onto_two_and_one(tmp_pat
     assert _read(two) == [(REPLICATED + PART) // 2 + HOST_LOCAL] * 2
     one = _run_job("rp_restore", 1, shards, 5)
     assert _read(one) == [REPLICATED + PART + HOST_LOCAL]
+
+
+def test_processes_that_list_different_latest_checkpoints_never_mix_them_in_one_array(
+    tmp_path,
+):
+    """A save lands between two processes' listings (a trainer saving while a multi-process
+    job restores the latest): each process reads its share of the block from the checkpoint
+    it listed. The read-once exchange compares what they opened, so they look again and
+    agree on step 2, instead of assembling rows of step 2 and of step 1 into one array."""
+    _run_job("rp_race", 2, tmp_path)
+
+
+def test_a_restore_one_process_makes_alone_leaves_the_next_ones_reading_once(tmp_path):
+    """Process 0 restores without its peer (it waits out the shortened timeout and reads
+    everything): the two processes' later restores still meet, each reading only its
+    share and with no warning, instead of one waiting out the timeout every time."""
+    outputs = _run_job("rp_lone", 2, tmp_path)
+    share = (REPLICATED + PART) // 2 + HOST_LOCAL
+    reads = [re.findall(r"^READ \d+ (\d+)$", out, re.M) for out in outputs]
+    assert reads == [[str(share)] * 2] * 2, reads
+
+
+@pytest.mark.slow
+def test_read_once_restores_beside_renamed_tied_and_cast_leaves_in_two_processes(tmp_path):
+    """A renamed replicated leaf is read once; two leaves tied to one tensor and a leaf cast
+    from bfloat16 are read block by block beside it: all bit-exact, in their shardings.
+    Typed PRNG keys replicated on both processes are saved split between them too."""
+    _run_job("rp_rename", 2, tmp_path)
 
 
 def test_a_capped_proxy_holds_its_rate_and_counts_every_byte_each_way(s3_server, s3_bucket):

@@ -67,7 +67,10 @@ else:  # imported on first use: the command line reads headers without JAX
 
 class BarrierTimeoutError(TimeoutError):
     """A multi-process operation waited longer than its timeout for its peers; the message
-    names the processes that did not arrive."""
+    names the processes that did not arrive (`late`: whether this process was one of them,
+    arriving after a peer had given up)."""
+
+    late: bool = False
 
 
 _LOCK = threading.Lock()
@@ -355,11 +358,13 @@ def _exchange(op: str, value: str, *, timeout_s: int | float, caller: str, what:
         failure = json.loads(outcome.removeprefix(_FAILED))
         missing = failure["missing"]
         late = f" Process {me} itself arrived after that." if me in missing else ""
-        raise BarrierTimeoutError(
+        timed_out = BarrierTimeoutError(
             f"{caller}: the {what} {op!r} timed out: process {failure['by']} waited "
             f"{failure['timeout_s']}s and processes {missing} did not arrive.{late} A peer "
             "probably died, hung, or did not make the same call."
         )
+        timed_out.late = me in missing
+        raise timed_out
     if len(arrivals) < count:
         arrivals = _arrivals(client, arrived_dir)
     _forget_earlier(client, op, me)

@@ -81,6 +81,10 @@ class CheckpointManager:
     - `save_interval_seconds`: `should_save` says yes once this many seconds (a finite
       number > 0) have passed since the last save through this manager began, or since
       the manager was created; `None` for no time interval.
+    - `replica_parallel`: in a multi-process job, split the writing of replicated blocks
+      between the processes holding them and read them once across the job on restore
+      (default), as `save_checkpoint_multiprocess` and `restore_checkpoint` do with it;
+      `False` for the layout and reads of before (for stores where it measures worse).
     - `handle_sigterm`: let SIGTERM mark a preemption (see below); `False` leaves signal
       handling alone.
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
@@ -153,6 +157,7 @@ class CheckpointManager:
         save_interval_seconds: int | float | None = None,
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
+        replica_parallel: bool = True,
     ):
         _retention.check_policy(keep_latest, keep_best, best_metric, mode, keep_every_n_steps)
         if not prefix:
@@ -180,10 +185,12 @@ class CheckpointManager:
                 f"seconds between saves) or None, got {save_interval_seconds!r}."
             )
         _snapshot.check_options(snapshot, host_window_bytes, "CheckpointManager")
-        if not isinstance(handle_sigterm, bool):
-            raise ValueError(
-                f"CheckpointManager: handle_sigterm must be True or False, got {handle_sigterm!r}."
-            )
+        for flag, value in (
+            ("handle_sigterm", handle_sigterm),
+            ("replica_parallel", replica_parallel),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"CheckpointManager: {flag} must be True or False, got {value!r}.")
         self._store, self.directory = _locations.resolve(
             directory, storage_options, caller="CheckpointManager"
         )
@@ -198,6 +205,7 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.save_interval_seconds = save_interval_seconds
         self.handle_sigterm = handle_sigterm
+        self.replica_parallel = replica_parallel
         self.snapshot: SnapshotMode = snapshot
         self.host_window_bytes = host_window_bytes
         self._async = AsyncManager() if async_save else None
@@ -265,6 +273,7 @@ class CheckpointManager:
             host_window_bytes=self.host_window_bytes,
             storage_options=self.storage_options,
             filter_spec=filter_spec,
+            replica_parallel=self.replica_parallel,
         )
         # A save succeeded, so `step` is now the newest checkpoint (an older step needs
         # overwrite=True, which deletes the newer ones).
@@ -475,6 +484,7 @@ class CheckpointManager:
             "rename": rename,
             "casting": casting,
             "host_window_bytes": self.host_window_bytes,
+            "replica_parallel": self.replica_parallel,
         }
         if step == "best":
             return self._restore_best(target, options)

@@ -17,13 +17,19 @@ of error: a `CheckpointFormatError`, or `FileNotFoundError` for a checkpoint rep
 meanwhile, which every process then retries) instead of leaving the others waiting.
 A process that restores alone (its peers elsewhere, or dead) waits `TIMEOUT_S` for them,
 then reads block by block as before, with a warning: the exchange fails on every process
-or on none, so no process enters the collective without the others.
+or on none, so no process enters the collective without the others. Its peers' next
+read-once restore finds that exchange given up and moves on to the next (`_exchange`), so
+one lone restore does not put the processes' exchanges out of step for good; and the
+processes compare what they opened and what they read once before the resharding, so two
+different restores (or two checkpoints) are never assembled into one array.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,8 +49,10 @@ from ._errors import CheckpointFormatError
 
 CALLER = "restore_checkpoint"
 # How long a process waits for its peers before reading alone; a process arriving later
-# finds the exchange failed and reads alone too.
+# finds the exchange failed, and waits as long again at the next one (see `_exchange`).
 TIMEOUT_S = 60.0
+# The most exchanges a process that came late skips through to find its peers'.
+_MAX_SKIPS = 64
 
 
 def _spanning_axes(mesh: Any) -> set[str]:
@@ -96,6 +104,49 @@ def _read_staged(reader: Any, name: str, leaf: Any, staging: Any, verify: bool) 
     return jax.make_array_from_single_device_arrays(shape, staging, blocks)
 
 
+def _exchange(status: str) -> list[str]:
+    """Every process's `status`, under the next `read_once` number. A process that finds the
+    number's exchange already given up by a peer that waited for it (`late`) is behind: a
+    peer restored once without it (alone, or while it was held up), so the peer's next
+    restore uses the next number; it tries that one at once. Without this, one restore a
+    process makes alone would make every later one wait `TIMEOUT_S` and read everything."""
+    for skipped in range(_MAX_SKIPS + 1):
+        op = _coordination.op_id("read_once", str(_coordination.next_number("read_once")))
+        try:
+            return _coordination.gather(op, status, timeout_s=TIMEOUT_S, caller=CALLER)
+        except _coordination.BarrierTimeoutError as error:
+            if not error.late or skipped == _MAX_SKIPS:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _fall_back(staged: list[jax.Array], why: str, reader: Any) -> dict[str, jax.Array]:
+    for array in staged:
+        array.delete()
+    warnings.warn(
+        f"{why} So each process read every block its devices hold from {reader.path}, "
+        "instead of its share. A process restoring without its peers can say "
+        "replica_parallel=False to skip the wait.",
+        stacklevel=5,
+    )
+    return {}
+
+
+def _plan_digest(chosen: list[tuple[str, Any, Any]]) -> str:
+    """What this call reads once: the names, shapes, dtypes and target shardings."""
+    plan = [(n, list(leaf.shape), str(leaf.dtype), repr(leaf.sharding)) for n, leaf, _ in chosen]
+    return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
+
+
+def _fingerprint(reader: Any) -> dict[str, str]:
+    """What `reader` opened, the same on every process that opened the same save: its name
+    and a digest of its metadata (a `.shards` index cites its save's unique piece files; a
+    file's metadata holds its step and its tensors' checksums)."""
+    metadata = json.dumps(getattr(reader, "metadata", {}), sort_keys=True)
+    digest = hashlib.sha256(metadata.encode()).hexdigest()[:16]
+    return {"name": os.path.basename(str(reader.path).rstrip("/" + os.sep)), "digest": digest}
+
+
 def _identity(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return arrays
 
@@ -107,45 +158,44 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
     **Returns:**
 
     The placed arrays by name; `{}` (with a warning) when a peer did not arrive within
-    `TIMEOUT_S`, so that the caller reads every leaf block by block.
+    `TIMEOUT_S`, or arrived with other leaves to read once (another restore call), so that
+    the caller reads every leaf block by block.
 
     **Raises:**
 
     On the process whose reads failed, its own error; on the others, naming that process,
     `CheckpointFormatError` (a corrupt piece), `FileNotFoundError` (the checkpoint was
-    replaced meanwhile: the caller looks again) or `RuntimeError`.
+    replaced meanwhile: the caller looks again) or `RuntimeError`. On every process,
+    `FileNotFoundError` when the processes opened different checkpoints (a save landed
+    between their listings): the caller looks again.
     """
     chosen = [(n, leaf, s) for n, leaf in leaves if (s := staging_sharding(leaf)) is not None]
     if not chosen:
         return {}
-    op = _coordination.op_id("read_once", str(_coordination.next_number("read_once")))
     staged: list[jax.Array] = []
     failure: BaseException | None = None
     try:
         staged = [_read_staged(reader, n, leaf, s, verify) for n, leaf, s in chosen]
-        status = {"ok": True}
+        status: dict[str, Any] = {"ok": True, "read": _fingerprint(reader)}
     except Exception as error:  # reported to the others, then raised here
         failure = error
         kind = "gone" if isinstance(error, FileNotFoundError) else "other"
         kind = "format" if isinstance(error, CheckpointFormatError) else kind
         status = {"kind": kind, "error": f"{type(error).__name__}: {error}"[:2000]}
+    status["plan"] = _plan_digest(chosen)
     try:
-        answers = _coordination.gather(op, json.dumps(status), timeout_s=TIMEOUT_S, caller=CALLER)
+        answers = _exchange(json.dumps(status))
     except _coordination.BarrierTimeoutError as error:
         if failure is not None:
             raise failure from None
-        for array in staged:
-            array.delete()
-        warnings.warn(
-            f"{error} So each process read every block its devices hold from {reader.path}, "
-            "instead of its share. A process restoring without its peers can say "
-            "replica_parallel=False to skip the wait.",
-            stacklevel=4,
-        )
-        return {}
+        return _fall_back(staged, f"{error}", reader)
     if failure is not None:
         raise failure
     reports = [json.loads(r) for r in answers]
+    if len({r["plan"] for r in reports}) > 1:
+        # Two different calls met (a process that came late skipped ahead, see `_exchange`,
+        # and met its peer's next restore): no resharding between them.
+        return _fall_back(staged, "the processes were restoring different leaves.", reader)
     failed = [(i, r) for i, r in enumerate(reports) if not r.get("ok")]
     if failed:
         i, report = failed[0]
@@ -155,6 +205,18 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
         if report["kind"] == "format":
             raise reader.bad(why)
         raise RuntimeError(f"{CALLER}: the restore of {reader.path} failed: {why}.")
+    read = [r["read"] for r in reports]
+    if len({(r["name"], r["digest"]) for r in read}) > 1:
+        # Each process opened its own checkpoint (a save landed between their listings, or
+        # an overwrite between their opens): the runs of one block must all come from one.
+        for array in staged:
+            array.delete()
+        listed = ", ".join(f"process {i}: {r['name']} ({r['digest']})" for i, r in enumerate(read))
+        raise FileNotFoundError(
+            f"{CALLER}: the processes opened different checkpoints ({listed}; the digest is "
+            "of each one's metadata), so their shares of one array cannot be assembled; "
+            "looking again. Every process must restore the same checkpoint."
+        )
     targets = tuple(leaf.sharding for _, leaf, _ in chosen)
     placed = jax.jit(_identity, out_shardings=targets)(*staged)
     for array in staged:
