@@ -188,7 +188,7 @@ class OrbaxReader:
         leaves.sort(key=lambda leaf: leaf.keys)
         kept = [
             leaf
-            for leaf, following in zip(leaves, [*leaves[1:], None], strict=True)
+            for leaf, following in zip(leaves, [*leaves[1:], None])  # [None] when empty
             if following is None
             or not (
                 len(following.keys) > len(leaf.keys)
