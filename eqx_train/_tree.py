@@ -10,12 +10,14 @@ import numpy as np
 if TYPE_CHECKING:
     import equinox as eqx
     import jax
+    import jax.numpy as jnp
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
     from ._lazy import LazyModule
 
     eqx = LazyModule("equinox")
     jax = LazyModule("jax")
+    jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
 KeyPath = tuple[Any, ...]
@@ -106,5 +108,29 @@ def map_array_leaves_batched(fn: Callable[[list[Any]], list[Any]], tree: Any) ->
     leaves, treedef = jtu.tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     for i, new in zip(positions, fn([leaves[i] for i in positions]), strict=True):
-        leaves[i] = new
+        leaves[i] = weak_like(leaves[i], new)  # as `jax.device_put` keeps it
     return jtu.tree_unflatten(treedef, leaves)
+
+
+def weak_like(leaf: Any, restored: Any) -> Any:
+    """`restored` with the weak type of the target `leaf`: a `jax.Array` made from a Python
+    number (`eqx.nn.BatchNorm`'s batch counter, `jnp.array(0)`) is weakly typed, and a
+    strongly typed copy would promote what it meets (`momentum ** counter` turning bfloat16
+    into float32) and retrace every jitted function it is passed to."""
+    if getattr(leaf, "weak_type", False) and isinstance(restored, jax.Array):
+        return as_weak(restored)
+    return restored
+
+
+def as_weak(array: Any) -> Any:
+    """`array` (a `jax.Array`) weakly typed, with its dtype, values and sharding. JAX has no
+    public call for this; its `jax.numpy` functions use the one below."""
+    try:
+        from jax._src.lax import lax as _lax  # no public equivalent (JAX 0.4.16 to 0.10)
+
+        return _lax._convert_element_type(array, array.dtype, weak_type=True)
+    except (ImportError, AttributeError, TypeError):  # a JAX that moved it: the public way
+        if array.ndim != 0:
+            return array
+        weak = jax.device_put(jnp.asarray(array.item()), array.sharding)  # a Python number
+        return weak if weak.dtype == array.dtype else array

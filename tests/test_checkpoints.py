@@ -1,5 +1,6 @@
 """checkpoints: the file, dtypes, ordering, retention, restore semantics, errors, async."""
 
+import concurrent.futures
 import json
 import os
 import pickle
@@ -529,6 +530,9 @@ def test_async_error_is_raised_at_next_save(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", broken_write)
     checkpoints.save_checkpoint(tmp_path, {"a": np.ones(3)}, 1, async_manager=manager)
     assert failed.wait(timeout=30)
+    # Once the failed save has ended (a save still being written would have the next one
+    # queued behind it, and its error raised at the save or wait after), as in flax:
+    concurrent.futures.wait([manager.save_future], timeout=30)
     monkeypatch.undo()
     with pytest.raises(OSError, match="EIO"):
         checkpoints.save_checkpoint(tmp_path, {"a": np.ones(3)}, 2, async_manager=manager)

@@ -45,6 +45,21 @@ def test_replicate_matches_flax_values_and_layout():
         ]
 
 
+def test_replicate_and_unreplicate_keep_weak_types_as_flax_does():
+    # BatchNorm's batch counter is weakly typed; a strongly typed copy promotes bfloat16.
+    _, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="ema")
+    tree = {"weak": jnp.asarray(3), "strong": jnp.asarray(3, jnp.int32), "bn": state}
+    replicated = jax_utils.replicate(tree)
+    flax_replicated = flax_jax_utils.replicate(tree)
+    leaves = zip(jax.tree.leaves(replicated), jax.tree.leaves(flax_replicated), strict=True)
+    for ours, theirs in leaves:
+        assert ours.weak_type == theirs.weak_type
+    assert replicated["weak"].weak_type and not replicated["strong"].weak_type
+    back = jax_utils.unreplicate(replicated)
+    for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
+        assert after.weak_type == before.weak_type
+
+
 def test_replicate_keeps_non_array_leaves_of_equinox_model():
     model = _model()
     replicated = jax_utils.replicate(model)

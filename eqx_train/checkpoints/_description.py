@@ -32,7 +32,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import is_state, path_to_name, state_entries
+from .._tree import as_weak, is_state, path_to_name, state_entries, weak_like
 from ._errors import short
 from ._names import RESERVED_TENSOR_NAMES
 
@@ -164,30 +164,6 @@ def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
         return converted
 
     return fill
-
-
-def weak_like(leaf: Any, restored: Any) -> Any:
-    """`restored` with the weak type of the target `leaf`: a `jax.Array` made from a Python
-    number (`eqx.nn.BatchNorm`'s batch counter, `jnp.array(0)`) is weakly typed, and a
-    strongly typed copy would promote what it meets (`momentum ** counter` turning bfloat16
-    into float32) and retrace every jitted function it is passed to."""
-    if getattr(leaf, "weak_type", False) and isinstance(restored, jax.Array):
-        return as_weak(restored)
-    return restored
-
-
-def as_weak(array: Any) -> Any:
-    """`array` (a `jax.Array`) weakly typed, with its dtype, values and sharding. JAX has no
-    public call for this; its `jax.numpy` functions use the one below."""
-    try:
-        from jax._src.lax import lax as _lax  # no public equivalent (JAX 0.4.16 to 0.10)
-
-        return _lax._convert_element_type(array, array.dtype, weak_type=True)
-    except (ImportError, AttributeError, TypeError):  # a JAX that moved it: the public way
-        if array.ndim != 0:
-            return array
-        weak = jax.device_put(jnp.asarray(array.item()), array.sharding)  # a Python number
-        return weak if weak.dtype == array.dtype else array
 
 
 def _rebuild_array(array: np.ndarray, entry: dict[str, Any]) -> Any:

@@ -188,7 +188,8 @@ class OrbaxReader:
         leaves.sort(key=lambda leaf: leaf.keys)
         kept = [
             leaf
-            for leaf, following in zip(leaves, [*leaves[1:], None])  # [None] when empty
+            # Each leaf with the next one (None after the last; nothing for no leaves).
+            for leaf, following in zip(leaves, [*leaves[1:], None], strict=False)
             if following is None
             or not (
                 len(following.keys) > len(leaf.keys)

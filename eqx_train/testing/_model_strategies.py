@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from hypothesis import strategies as st
 
-from ..checkpoints._description import as_weak
+from .._tree import as_weak
 from ..train_state import TrainState
 from ._array_strategies import Draw
 
