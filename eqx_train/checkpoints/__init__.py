@@ -14,7 +14,10 @@ if TYPE_CHECKING:
         save_checkpoint_multiprocess as save_checkpoint_multiprocess,
     )
     from ._async import AsyncManager as AsyncManager
-    from ._errors import CheckpointFormatError as CheckpointFormatError
+    from ._errors import (
+        CheckpointFormatError as CheckpointFormatError,
+        NewerFormatError as NewerFormatError,
+    )
     from ._fallback import UnreadableCheckpointWarning as UnreadableCheckpointWarning
     from ._legacy import convert_pre_linen as convert_pre_linen
     from ._manager import CheckpointManager as CheckpointManager
@@ -32,6 +35,7 @@ __getattr__, __dir__ = exports(
         "CheckpointFormatError": "_errors",
         "CheckpointManager": "_manager",
         "ConfigMismatchWarning": "_selection",
+        "NewerFormatError": "_errors",
         "PartialRestoreWarning": "_matching",
         "RestorePlan": "_plan",
         "UnreadableCheckpointWarning": "_fallback",
@@ -51,6 +55,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointManager",
     "ConfigMismatchWarning",
+    "NewerFormatError",
     "PartialRestoreWarning",
     "RestorePlan",
     "available_steps",

@@ -17,6 +17,11 @@ class CheckpointFormatError(ValueError):
     or its contents fail their checksums)."""
 
 
+class NewerFormatError(CheckpointFormatError):
+    """A checkpoint was written by a newer eqx_train, in a format version this one cannot
+    read. It is not corrupt: a manager never skips, moves aside or deletes it for that."""
+
+
 def invalid(path: str, what: str = "checkpoint") -> Callable[[str], CheckpointFormatError]:
     """The error factory of one file: `invalid(path)(why)` is the `CheckpointFormatError`
     "`{path} is not a valid {what}: {why}.`"."""

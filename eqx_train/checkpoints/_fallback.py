@@ -70,6 +70,8 @@ def restore_latest_that_verifies(
         outcome, restored, failure = "ok", target, None
         try:
             restored = restore_entry(store, entry, target, **options)
+        except _errors.NewerFormatError:
+            raise  # not corrupt: never skipped, and never moved aside
         except _errors.CheckpointFormatError as error:
             skipped[entry.path] = error
             outcome = f"corrupt: {error}"

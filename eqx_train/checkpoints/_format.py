@@ -44,7 +44,7 @@ from ._description import (
     parse_description,
     parse_json,
 )
-from ._errors import CheckpointFormatError, invalid, short
+from ._errors import CheckpointFormatError, NewerFormatError, invalid, short
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
@@ -415,10 +415,16 @@ class FileReader(ReaderBase):
             raise self.bad("__metadata__ must map strings to strings")
         version = metadata.get(FORMAT_VERSION_KEY)
         if version is not None and version != str(FORMAT_VERSION):
-            raise self.bad(
+            why = (
                 f"it has eqx_train format version {short(version)}; this eqx_train reads "
                 f"version {FORMAT_VERSION}"
             )
+            if version.isdigit() and int(version) > FORMAT_VERSION:
+                raise NewerFormatError(
+                    f"{self.path} was written by a newer eqx_train: {why}. Upgrade eqx_train "
+                    "to read it."
+                )
+            raise self.bad(why)
         checksums = self._checksums(metadata, set(entries))
         data_start = 8 + header_len
         data_size = size - data_start

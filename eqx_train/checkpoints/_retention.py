@@ -15,7 +15,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from . import _directory, _format, _names, _storage
-from ._errors import outside_stacklevel
+from ._errors import NewerFormatError, outside_stacklevel
 from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
 from ._names import METRICS_KEY as _METRICS_KEY
 from ._restore import RESTORE_ATTEMPTS
@@ -62,8 +62,8 @@ def metric_of(
     try:
         raw = metadata_of(store, entry).get(_METRICS_KEY)
         metrics = json.loads(raw) if raw else None
-    except FileNotFoundError:
-        raise
+    except (FileNotFoundError, NewerFormatError):
+        raise  # a newer eqx_train's checkpoint is not one without a metric: never deleted
     except (OSError, ValueError) as error:
         if isinstance(error, OSError) and (
             not store.is_local or error.errno not in UNREADABLE_ERRNOS
