@@ -22,9 +22,11 @@ every measurement (JAX caches an array's host copy after its first transfer):
 
 The run keeps to `--budget-s` (later rounds are skipped once it is spent; every section runs
 at least once) and rewrites its results after each section, so a run cut short still
-leaves them. On a GPU (H200) the whole run takes about 4-5 minutes:
+leaves them. On an H200 a round of saves took about 100 s and one of restores 142 s, so split
+a run over calls of at most 10 minutes with `--sections`:
 
-    python benchmarks/gpu_checkpoints.py --out "$OUT"
+    python benchmarks/gpu_checkpoints.py --sections limits saves --out "$OUT"
+    python benchmarks/gpu_checkpoints.py --sections restores stages loops big --out "$OUT"
     python benchmarks/gpu_checkpoints.py --size-mib 64 --big-mib 128 --out /tmp/x  # a CPU check
 """
 
@@ -541,6 +543,12 @@ def main() -> None:
     parser.add_argument(
         "--no-cold", dest="cold", action="store_false", help="never drop the page cache"
     )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=("limits", "saves", "restores", "stages", "loops", "big"),
+        help="run only these sections (default: all), e.g. to split a run over two calls",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or ".", help="report folder")
     parser.add_argument("--dir", default=None, help="where to write checkpoints (a temp dir)")
     args = parser.parse_args()
@@ -564,6 +572,8 @@ def main() -> None:
         ]
         if args.big_mib:
             sections.append(("big", lambda: big_section(run, base)))
+        if args.sections:
+            sections = [item for item in sections if item[0] in args.sections]
         for name, section in sections:
             start = time.perf_counter()
             section()
