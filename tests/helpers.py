@@ -148,3 +148,12 @@ def assert_identical(ours: Any, theirs: Any, path: str = "<root>") -> None:
         assert ours.tobytes() == theirs.tobytes(), path
     else:
         assert ours == theirs or (ours != ours and theirs != theirs), f"{path}: {ours!r}"
+
+
+def flip_last_byte(path: Any) -> None:
+    """Corrupts a checkpoint's tensor data (its last byte, inverted): its checksum fails."""
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))

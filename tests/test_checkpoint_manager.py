@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from eqx_train import EarlyStopping, TrainState, checkpoints
 from eqx_train.checkpoints import CheckpointManager, _retention
-from tests.helpers import run_then_sigkill
+from tests.helpers import flip_last_byte, run_then_sigkill
 
 
 def _state(value):
@@ -349,14 +349,6 @@ def test_restore_best_while_a_trainer_saves_and_prunes_never_fails(tmp_path):
 # ---------------------------------------------------------- falling back from a corrupt latest
 
 
-def _corrupt_tensor_data(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
-
-
 def test_restore_falls_back_to_the_newest_checkpoint_that_verifies_warning_of_the_bad_one(
     tmp_path,
 ):
@@ -364,7 +356,7 @@ def test_restore_falls_back_to_the_newest_checkpoint_that_verifies_warning_of_th
     for step in (1, 2, 3, 4):
         manager.save(step, _state(step))
     for step in (3, 4):
-        _corrupt_tensor_data(tmp_path / f"checkpoint_{step}.safetensors")
+        flip_last_byte(tmp_path / f"checkpoint_{step}.safetensors")
     with pytest.warns(checkpoints.UnreadableCheckpointWarning) as caught:
         restored = manager.restore(_state(0))
     np.testing.assert_array_equal(restored["w"], np.full(4, 2.0))
@@ -388,7 +380,7 @@ def test_processes_skip_a_corrupt_checkpoint_only_once_they_all_agree(tmp_path, 
     manager = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
     for step in (1, 2):
         manager.save(step, _state(step))
-    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_2.safetensors")
     latest = str(tmp_path / "checkpoint_2.safetensors")
     rounds = []
 
@@ -415,7 +407,7 @@ def test_restore_fallback_false_raises_on_a_corrupt_latest(tmp_path):
     manager = CheckpointManager(tmp_path, keep_latest=2)
     manager.save(1, _state(1))
     manager.save(2, _state(2))
-    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_2.safetensors")
     with pytest.raises(checkpoints.CheckpointFormatError, match="checkpoint_2.safetensors"):
         manager.restore(_state(0), fallback=False)
 
@@ -424,7 +416,7 @@ def test_restore_of_a_requested_step_never_falls_back(tmp_path):
     manager = CheckpointManager(tmp_path, keep_latest=2, keep_best=1, best_metric="loss")
     manager.save(1, _state(1), metrics={"loss": 0.5})
     manager.save(2, _state(2), metrics={"loss": 0.1})
-    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_2.safetensors")
     with pytest.raises(checkpoints.CheckpointFormatError, match="checkpoint_2.safetensors"):
         manager.restore(_state(0), step=2)
     with pytest.raises(checkpoints.CheckpointFormatError, match="checkpoint_2.safetensors"):
@@ -436,7 +428,7 @@ def test_restore_with_every_checkpoint_corrupt_names_them_all(tmp_path):
     manager.save(1, _state(1))
     manager.save(2, _state(2))
     for step in (1, 2):
-        _corrupt_tensor_data(tmp_path / f"checkpoint_{step}.safetensors")
+        flip_last_byte(tmp_path / f"checkpoint_{step}.safetensors")
     with pytest.raises(checkpoints.CheckpointFormatError, match="no checkpoint .* verifies") as e:
         manager.restore(_state(0))
     assert "checkpoint_1.safetensors" in str(e.value) and "checkpoint_2.safetensors" in str(e.value)

@@ -13,19 +13,12 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, UnreadableCheckpointWarning, _storage
+from tests.helpers import flip_last_byte
 from tests.test_docs_examples import DOCS, _blocks
 
 
 def _state(step):
     return {"w": np.full(4, float(step), np.float32)}
-
-
-def _corrupt(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
 
 
 def _saved(directory, steps, **options):
@@ -38,7 +31,7 @@ def _saved(directory, steps, **options):
 def test_a_skipped_corrupt_checkpoint_is_moved_aside_whole_and_its_step_saves_again(tmp_path):
     _saved(tmp_path, [5, 6, 7])
     bad = tmp_path / "checkpoint_7.safetensors"
-    _corrupt(bad)
+    flip_last_byte(bad)
     evidence = bad.read_bytes()
     manager = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
     with pytest.warns(UnreadableCheckpointWarning) as caught:
@@ -56,7 +49,7 @@ def test_a_skipped_corrupt_checkpoint_is_moved_aside_whole_and_its_step_saves_ag
 
 def test_should_save_saves_the_step_of_a_checkpoint_the_fallback_skipped(tmp_path):
     _saved(tmp_path, [6, 7])
-    _corrupt(tmp_path / "checkpoint_7.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_7.safetensors")
     manager = CheckpointManager(tmp_path, keep_latest=2, save_interval_steps=1)
     assert not manager.should_save(7)  # before the restore, step 7 looks saved
     with pytest.warns(UnreadableCheckpointWarning):
@@ -68,7 +61,7 @@ def test_should_save_saves_the_step_of_a_checkpoint_the_fallback_skipped(tmp_pat
 def test_a_second_corrupt_copy_of_a_step_is_moved_aside_under_a_new_name(tmp_path):
     _saved(tmp_path, [6, 7])
     (tmp_path / "corrupt-checkpoint_7.safetensors").write_bytes(b"an earlier one")
-    _corrupt(tmp_path / "checkpoint_7.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_7.safetensors")
     manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
     with pytest.warns(UnreadableCheckpointWarning, match="corrupt-2-checkpoint_7"):
         manager.restore(_state(0))
@@ -80,7 +73,7 @@ def test_a_skipped_shards_checkpoint_is_moved_aside_whole(tmp_path):
     checkpoints.save_checkpoint_multiprocess(tmp_path, _state(6), 6)
     bad = checkpoints.save_checkpoint_multiprocess(tmp_path, _state(7), 7, keep=2)
     [piece] = [n for n in os.listdir(bad) if n != "index.safetensors"]
-    _corrupt(os.path.join(bad, piece))
+    flip_last_byte(os.path.join(bad, piece))
     manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
     with pytest.warns(UnreadableCheckpointWarning, match="corrupt-checkpoint_7.shards"):
         np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 6.0))
@@ -143,7 +136,7 @@ def test_the_exact_resume_recipe_resumes_past_a_corrupt_newest_checkpoint(tmp_pa
     exec(compile("\n" * (line - 1) + recipe, str(page), "exec"), namespace)
     workdir = str(tmp_path)
     namespace["train"](workdir, stop_after=7)
-    _corrupt(tmp_path / "checkpoint_7.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_7.safetensors")
     with pytest.warns(UnreadableCheckpointWarning, match="checkpoint_7"):
         carry = namespace["train"](workdir)
     assert int(carry["position"]) == namespace["STEPS"]

@@ -2,8 +2,6 @@
 `rename=`, `casting=`, `plan_restore`, and `inspect --tree`; on single-file and `.shards`
 checkpoints and through `CheckpointManager.restore`."""
 
-import os
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,7 @@ from eqx_train.checkpoints import (
     plan_restore,
     restore_checkpoint,
 )
-from tests.helpers import assert_trees_equal
+from tests.helpers import assert_trees_equal, flip_last_byte
 
 
 def _mlp(seed, dtype=None):
@@ -355,19 +353,11 @@ def test_a_plan_without_a_checkpoint_says_so(tmp_path):
 # ----------------------------------------------------------- CheckpointManager.restore
 
 
-def _corrupt_tensor_data(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
-
-
 def test_the_manager_restores_a_changed_model_past_a_corrupt_newest_checkpoint(tmp_path):
     with CheckpointManager(tmp_path, keep_latest=2) as manager:
         for step in (1, 2):
             manager.save(step, RenamedNet(_mlp(step), None))
-    _corrupt_tensor_data(tmp_path / "checkpoint_2.safetensors")
+    flip_last_byte(tmp_path / "checkpoint_2.safetensors")
     target = Net(_mlp(9, jnp.bfloat16), eqx.nn.Linear(2, 3, key=jax.random.key(2)))
     with CheckpointManager(tmp_path) as manager:
         with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="restored step 1"):

@@ -12,6 +12,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, _fallback, _storage
+from tests.helpers import flip_last_byte
 
 
 def _state(step):
@@ -65,14 +66,6 @@ def test_a_disk_read_error_still_falls_back(tmp_path, failing_reads):
     np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
 
 
-def _corrupt(path):
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
     tmp_path, monkeypatch, sharded
@@ -86,7 +79,7 @@ def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
     suffix = ".shards" if sharded else ".safetensors"
     newest = tmp_path / f"checkpoint_7{suffix}"
     pieces = [p for p in newest.glob("*.safetensors") if p.name != "index.safetensors"]
-    _corrupt(pieces[0] if sharded else newest)
+    flip_last_byte(pieces[0] if sharded else newest)
     real_restore = _fallback.restore_entry
 
     def restore_entry(store, entry, target, **options):
