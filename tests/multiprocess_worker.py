@@ -475,11 +475,19 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
         "wide": want["part"].astype(np.float32),
     }
     assert want["part"].dtype == ml_dtypes.bfloat16
-    # The keys' data, each cut between the processes at the save, read back as saved.
-    # (Not into a target of replicated keys: their restore places them with device_put,
-    # which refuses a sharding over several processes; see the review's report.)
+    # The keys' data, each cut between the processes at the save, read back as saved and
+    # into a target of keys replicated over both processes.
     saved_keys = checkpoints.restore_checkpoint(directory, None)["keys"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoints.PartialRestoreWarning)  # the other leaves
+        into_target = checkpoints.restore_checkpoint(directory, {"keys": keys(0)}, strict=False)
     local = (jax.random.key(5), jax.random.split(jax.random.key(5), 3))  # on this host
+    for placed_key, want_key, like in zip(into_target["keys"], local, keys(0), strict=True):
+        assert placed_key.sharding == like.sharding
+        assert jax.random.key_impl(placed_key) == jax.random.key_impl(want_key)
+        want_data = np.asarray(jax.random.key_data(want_key))
+        for shard in jax.random.key_data(placed_key).addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want_data[shard.index])
     for got_key, want_key in zip(saved_keys, local, strict=True):
         assert jax.random.key_impl(got_key) == jax.random.key_impl(want_key)
         np.testing.assert_array_equal(

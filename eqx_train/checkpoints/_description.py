@@ -11,6 +11,7 @@ leaf kinds exist and how each is saved, rebuilt and filled into a target, and on
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -146,6 +147,18 @@ def _place(array: Any, like: Any) -> Any:
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
 
 
+def _place_key(data: np.ndarray, like: Any) -> Any:
+    """The typed key array of key data `data`, placed as the target key `like`."""
+    impl = key_impl(like)
+    sharding = getattr(like, "sharding", None)
+    if sharding is not None and not sharding.is_fully_addressable:
+        # Over several processes: `device_put` refuses a key array made on one device, so
+        # every process builds its own blocks from the same host data.
+        wrap = functools.partial(jax.random.wrap_key_data, impl=impl)
+        return jax.jit(wrap, out_shardings=sharding)(data)
+    return _place(_wrap_key(data, impl), like)
+
+
 def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
     def fill(leaf: Any, array: np.ndarray) -> Any:
         value = array[()].item()  # a Python number: comparisons below are exact
@@ -177,7 +190,7 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
         _is_key,
         _key_data,
         lambda a, entry: _wrap_key(a, entry["impl"]),
-        lambda leaf, a: _place(_wrap_key(a, key_impl(leaf)), leaf),
+        lambda leaf, a: _place_key(a, leaf),
     ),
     LeafKind(
         "array",
