@@ -4,6 +4,7 @@ a device snapshot without room says so in our words; a restore synchronises with
 devices once per window group, not once per leaf.
 """
 
+import os
 import threading
 
 import jax
@@ -66,6 +67,20 @@ def test_a_slow_hash_does_not_hold_up_the_disk(tmp_path, monkeypatch):
     state = _state(leaves=1)
     checkpoints.save_checkpoint(tmp_path, state, 1)
     assert saw == [True]  # written while its hash was still waiting
+    assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, state), state)
+
+
+def test_the_disk_is_asked_to_start_on_each_block_as_soon_as_it_is_written(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(_format, "_WRITE_BLOCK", LEAF // 2)
+    monkeypatch.setattr(
+        _format, "start_writeback", lambda fd, offset, n: started.append((offset, n))
+    )
+    state = _state(leaves=2)
+    path = checkpoints.save_checkpoint(tmp_path, state, 1)
+    header = os.path.getsize(path) - 2 * LEAF
+    # Every data block, in order, right after its write: the final fsync waits for the tail.
+    assert started == [(header + k * LEAF // 2, LEAF // 2) for k in range(4)]
     assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, state), state)
 
 

@@ -56,7 +56,7 @@ from ._names import (
     STEP_KEY,
     TREE_KEY,
 )
-from ._storage import LocalStorage, Source
+from ._storage import LocalStorage, Source, start_writeback
 from ._window import HostWindow, add_stage, current_window, stage, timing
 
 # A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
@@ -250,6 +250,7 @@ def _write_to_fd(
     transfer and the header."""
     placeholder = _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
     write_all(fd, memoryview(placeholder))
+    offset = len(placeholder)  # of the next block; the disk starts on each one written
     digests = []
     with (
         ThreadPoolExecutor(1, thread_name_prefix="eqx_train-hash") as hashing,
@@ -262,6 +263,8 @@ def _write_to_fd(
                 with stage("write"):
                     for block in _chunks(view, _WRITE_BLOCK):
                         write_all(fd, block)
+                        start_writeback(fd, offset, len(block))
+                        offset += len(block)
             finally:
                 # The leaf's bytes are released by the next step of `leaves`: not before
                 # its hash is done with them, even when the write failed.
