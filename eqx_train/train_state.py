@@ -329,6 +329,11 @@ class TrainState(eqx.Module):
         except (ValueError, TypeError, AttributeError, KeyError, IndexError):
             _check_opt_state(self.tx, self.opt_state, params)
             raise
+        # An update may also accept a state it did not make and return another structure
+        # (Adam's moments meeting a None gradient, in some optax code paths): never let
+        # that pass silently into the next step.
+        if jax.tree.structure(new_opt_state) != jax.tree.structure(self.opt_state):
+            _check_opt_state(self.tx, self.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         new_model = eqx.combine(new_params, frozen)
         names = ("step", "model", "opt_state", *kwargs)
