@@ -1,5 +1,6 @@
 """CheckpointManager: retention union, metrics/metadata in the file, re-runs, async errors."""
 
+import concurrent.futures
 import json
 import os
 import textwrap
@@ -221,6 +222,9 @@ def test_async_failure_is_raised_by_next_save(tmp_path, monkeypatch):
     failed = _fail_writes(monkeypatch)
     manager.save(1, _state(1))
     assert failed.wait(30)
+    # Once the failed save has ended (a save still being written would have the next one
+    # queued behind it, its error raised at the save or wait after that):
+    concurrent.futures.wait([manager._async.save_future], timeout=30)
     monkeypatch.undo()
     with pytest.raises(OSError, match="Read-only file system"):
         manager.save(2, _state(2))
