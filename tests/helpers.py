@@ -157,3 +157,23 @@ def flip_last_byte(path: Any) -> None:
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 0xFF]))
+
+
+def hold_the_writer(monkeypatch: Any) -> tuple[Any, Any]:
+    """Makes the checkpoint writer wait, before its first byte, until the returned `go` event
+    is set; `writing` is set once it waits: a test then acts while the save is provably in
+    flight."""
+    import threading
+
+    from eqx_train.checkpoints import _format
+
+    go, writing = threading.Event(), threading.Event()
+    real = _format.write_all
+
+    def write_all(fd: int, data: Any) -> None:
+        writing.set()
+        assert go.wait(60), "the test never let the writer go on"
+        real(fd, data)
+
+    monkeypatch.setattr(_format, "write_all", write_all)
+    return go, writing

@@ -7,7 +7,6 @@ memory there, and the allocator's caches.
 """
 
 import gc
-import threading
 import warnings
 
 import jax
@@ -18,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import _format, _snapshot, _transfer, _window
-from tests.helpers import assert_trees_equal
+from tests.helpers import assert_trees_equal, hold_the_writer
 
 MiB = 1 << 20
 
@@ -51,21 +50,6 @@ def _donating_step():
     return jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 7, s), donate_argnums=0)
 
 
-def _hold_the_writer(monkeypatch):
-    """Makes the background writer wait, before its first tensor byte, until the returned
-    event is set: the test then acts while the save is provably still in flight."""
-    go, writing = threading.Event(), threading.Event()
-    real = _format.write_all
-
-    def write_all(fd, data):
-        writing.set()
-        assert go.wait(60), "the test never let the writer go on"
-        real(fd, data)
-
-    monkeypatch.setattr(_format, "write_all", write_all)
-    return go, writing
-
-
 # ------------------------------------------------------------------ donation after an async save
 
 
@@ -75,7 +59,7 @@ def test_async_save_holds_the_state_of_the_call_when_the_next_step_donates_it(
 ):
     state = _device_state(leaves=4)
     expected = _host_copy(state)
-    go, writing = _hold_the_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     manager = checkpoints.AsyncManager()
     checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot=snapshot)
     assert writing.wait(60)  # the background save is writing, and waits for us
@@ -89,7 +73,7 @@ def test_async_save_holds_the_state_of_the_call_when_the_next_step_donates_it(
 
 def test_the_next_step_really_donates_the_buffers_the_save_was_given(tmp_path, monkeypatch):
     state = _device_state(leaves=2)
-    go, writing = _hold_the_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     manager = checkpoints.AsyncManager()
     checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot="device")
     assert writing.wait(60)
@@ -102,7 +86,7 @@ def test_the_next_step_really_donates_the_buffers_the_save_was_given(tmp_path, m
 
 def test_an_async_save_on_cpu_devices_lets_the_buffers_go_once_written(tmp_path, monkeypatch):
     state = _device_state(leaves=3)
-    go, writing = _hold_the_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     manager = checkpoints.AsyncManager()
     checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager)  # "auto"
     assert writing.wait(60)
@@ -117,7 +101,7 @@ def test_an_async_save_on_cpu_devices_lets_the_buffers_go_once_written(tmp_path,
 def test_checkpoint_manager_async_save_survives_donation(tmp_path, monkeypatch):
     state = _device_state(leaves=3)
     expected = _host_copy(state)
-    go, writing = _hold_the_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     with checkpoints.CheckpointManager(tmp_path, async_save=True) as manager:
         manager.save(1, state)
         assert writing.wait(60)

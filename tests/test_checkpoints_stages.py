@@ -14,7 +14,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import _format, _restore, _snapshot, _window
-from tests.helpers import assert_trees_equal
+from tests.helpers import assert_trees_equal, hold_the_writer
 
 LEAF = 256 << 10  # bytes of each leaf below
 
@@ -111,20 +111,6 @@ def test_a_restore_waits_for_its_devices_once_per_window_group(tmp_path, monkeyp
 # ------------------------------------------------------------------ back-to-back async saves
 
 
-def _held_writer(monkeypatch):
-    """The background writer waits, before the first save's first byte, until `go` is set."""
-    go, writing = threading.Event(), threading.Event()
-    real = _format.write_all
-
-    def write_all(fd, data):
-        writing.set()
-        assert go.wait(60), "the test never let the writer go on"
-        real(fd, data)
-
-    monkeypatch.setattr(_format, "write_all", write_all)
-    return go, writing
-
-
 def _in_a_thread(call):
     """Runs `call` in a thread; the returned event is set once it has returned."""
     returned = threading.Event()
@@ -145,7 +131,7 @@ def _in_a_thread(call):
 def test_a_save_asked_for_while_one_is_written_is_queued_without_waiting(
     tmp_path, monkeypatch, snapshot
 ):
-    go, writing = _held_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     manager = checkpoints.AsyncManager()
     states = {step: _state(step) for step in (1, 2, 3)}
     checkpoints.save_checkpoint(
@@ -175,7 +161,7 @@ def test_a_save_asked_for_while_one_is_written_is_queued_without_waiting(
 
 
 def test_a_second_snapshot_without_room_waits_for_the_first_save(tmp_path, monkeypatch):
-    go, writing = _held_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: LEAF)  # room for none
     manager = checkpoints.AsyncManager()
     checkpoints.save_checkpoint(
@@ -197,7 +183,7 @@ def test_a_second_snapshot_without_room_waits_for_the_first_save(tmp_path, monke
 def test_a_queued_save_of_a_step_that_is_not_newer_is_refused_after_the_first(
     tmp_path, monkeypatch
 ):
-    go, writing = _held_writer(monkeypatch)
+    go, writing = hold_the_writer(monkeypatch)
     manager = checkpoints.AsyncManager()
     checkpoints.save_checkpoint(tmp_path, _state(1), 5, async_manager=manager)
     assert writing.wait(30)
