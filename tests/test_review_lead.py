@@ -63,3 +63,19 @@ def test_retention_never_deletes_a_newer_eqx_trains_best_checkpoint(tmp_path):
         manager.save(2, {"a": np.arange(3.0)}, metrics={"loss": 0.5})
         manager.wait()
     assert "checkpoint_1.safetensors" in os.listdir(tmp_path)
+
+
+def test_a_version_digit_flipped_by_one_bit_is_refused_naming_the_file_and_kept(tmp_path):
+    # '1' (0x31) with one bit flipped reads '3': it looks newer, so nothing may move it; the
+    # error names the file and says what to do if no newer eqx_train wrote it.
+    manager = CheckpointManager(tmp_path, keep_latest=5)
+    manager.save(1, {"a": np.arange(3.0)})
+    newest = manager.save(2, {"a": np.arange(3.0)})
+    manager.wait()
+    raw = bytearray(pathlib.Path(newest).read_bytes())
+    at = raw.index(b'"eqx_train.format_version":"1"') + len(b'"eqx_train.format_version":"')
+    raw[at] ^= 0x02
+    pathlib.Path(newest).write_bytes(raw)
+    with pytest.raises(NewerFormatError, match=r"checkpoint_2\.safetensors .*move it away by hand"):
+        manager.restore({"a": np.zeros(3)})
+    assert pathlib.Path(newest).read_bytes() == bytes(raw)

@@ -425,7 +425,8 @@ class FileReader(ReaderBase):
             if version.isdigit() and int(version) > FORMAT_VERSION:
                 raise NewerFormatError(
                     f"{self.path} was written by a newer eqx_train: {why}. Upgrade eqx_train "
-                    "to read it."
+                    "to read it (a checkpoint manager neither skips nor moves it; if no newer "
+                    "eqx_train wrote it, its header is corrupt: move it away by hand)"
                 )
             raise self.bad(why)
         checksums = self._checksums(metadata, set(entries))
