@@ -1,18 +1,22 @@
 """The save and restore pipelines' stages: a slow disk does not slow the hashing and a slow
 hash does not slow the disk; back-to-back async saves queue a second snapshot (at most two);
-a device snapshot without room says so in our words; a restore synchronises with the
+a device snapshot without room says so in our words; large tensors start on a page of the
+file; a restore places leaves from several threads at once and synchronises with the
 devices once per window group, not once per leaf.
 """
 
 import os
 import threading
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+import safetensors.numpy
 
-from eqx_train import checkpoints
+from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints import _format, _restore, _snapshot, _window
 from tests.helpers import assert_trees_equal, hold_the_writer
 
@@ -106,6 +110,78 @@ def test_a_restore_waits_for_its_devices_once_per_window_group(tmp_path, monkeyp
     restored = checkpoints.restore_checkpoint(tmp_path, state, host_window_bytes=8 * LEAF)
     assert settled == [2, 2, 2, 2]  # groups of a quarter of the window, each waited for once
     assert_trees_equal(restored, state)
+
+
+def test_a_restore_places_several_groups_at_once_off_the_callers_thread(tmp_path, monkeypatch):
+    # Copying from pageable host memory to an accelerator is a memcpy on the calling thread:
+    # placed one leaf at a time by the caller, it would be the restore's slowest stage.
+    state = _state(leaves=8)
+    checkpoints.save_checkpoint(tmp_path, state, 1)
+    both_placing = threading.Barrier(2, timeout=30)
+    threads, real = [], _restore.place
+
+    def place(kind, target, array):
+        threads.append(threading.current_thread())
+        if len(threads) <= 2:
+            both_placing.wait()  # broken (an error) unless two leaves are placed at once
+        return real(kind, target, array)
+
+    monkeypatch.setattr(_restore, "place", place)
+    _window.reset_peak()
+    restored = checkpoints.restore_checkpoint(tmp_path, state, host_window_bytes=8 * LEAF)
+    assert_trees_equal(restored, state)
+    assert len(threads) == 8 and threading.main_thread() not in threads
+    assert _window.peak_held_bytes() <= 8 * LEAF  # the window still bounds the host bytes
+
+
+def test_a_leaf_that_cannot_be_placed_is_named_with_the_others_in_one_error(tmp_path, monkeypatch):
+    saved = _state(leaves=8)
+    checkpoints.save_checkpoint(tmp_path, saved, 1)
+    # Every leaf matches by shape and dtype; two of them cannot be placed as the target says.
+    target = dict(saved)
+    for name in ("l2", "l5"):
+        target[name] = np.zeros(LEAF // 4, np.float32)
+    real = _restore.place
+
+    def place(kind, target_leaf, array):
+        if isinstance(target_leaf, np.ndarray):
+            raise ValueError("this target cannot hold it")
+        return real(kind, target_leaf, array)
+
+    monkeypatch.setattr(_restore, "place", place)
+    before = _window.held_bytes()
+    with pytest.raises(ValueError, match=r"(?s)'l2'.*this target cannot hold it.*'l5'"):
+        checkpoints.restore_checkpoint(tmp_path, target, host_window_bytes=4 * LEAF)
+    assert _window.held_bytes() == before  # every byte of the window let go
+
+
+# ------------------------------------------------------------------ the file's layout
+
+
+def test_large_tensors_start_on_a_page_even_after_a_four_byte_step(tmp_path):
+    # A TrainState's 4-byte step comes first in tree order and Adam's 4-byte count in the
+    # middle: laid out in tree order, every tensor after them would start off a page and
+    # copy ~20% slower between the page cache and the host buffers.
+    model = eqx.nn.MLP(64, 10, 512, 2, key=jax.random.key(0))
+    state = TrainState.create(model=model, tx=optax.adam(1e-3))
+    path = checkpoints.save_checkpoint(tmp_path, state, 1)
+    with _format.FileReader(path) as reader:
+        infos = list(reader.tensors.values())
+    paged = [info.name for info in infos if info.nbytes % 4096 == 0]
+    assert len(paged) == 9  # three weights, and Adam's two moments of each
+    assert all(i.start % 4096 == 0 for i in infos if i.name in paged)
+    assert all(i.start % 64 == 0 for i in infos if i.nbytes % 64 == 0)
+    # Still a plain safetensors file, and the same state.
+    assert set(safetensors.numpy.load_file(path)) == {i.name for i in infos}
+    assert eqx.tree_equal(checkpoints.restore_checkpoint(tmp_path, state), state)
+
+
+def test_a_small_file_starts_its_data_on_64_bytes_without_a_page_of_padding(tmp_path):
+    path = checkpoints.save_checkpoint(tmp_path, {"step": jnp.int32(3), "w": jnp.ones(5)}, 1)
+    with open(path, "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+    assert data_start % 64 == 0 and os.path.getsize(path) - data_start == 4 + 20
+    assert data_start < 4096
 
 
 # ------------------------------------------------------------------ back-to-back async saves

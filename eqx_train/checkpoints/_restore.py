@@ -277,12 +277,13 @@ def restore_from(
     `rename`; shape, dtype or a cast `casting` allows, PRNG key implementation; with
     `strict`, nothing missing or extra; `filter_spec` and `config` as in `_selection`),
     every problem listed in one `ValueError`, before any tensor data is read. Then only the
-    tensors needed are read: whole, a window of `host_window_bytes` at a time (the next
-    leaves read, verified and cast on the host while earlier ones are placed on their
-    devices), or device block by device block for a sharded target (`_blockwise`). `caller`
-    names the public function in errors. With `strict=False`, a `PartialRestoreWarning`
-    says what did not match. With `replica_parallel`, a block the target places on several
-    processes is read once across them (`_read_once`).
+    tensors needed are read: whole, a window of `host_window_bytes` at a time (background
+    threads read, verify, cast and place several leaves at once while the caller waits for
+    earlier ones to reach their devices), or device block by device block for a sharded
+    target (`_blockwise`). `caller` names the public function in errors. With
+    `strict=False`, a `PartialRestoreWarning` says what did not match. With
+    `replica_parallel`, a block the target places on several processes is read once across
+    them (`_read_once`).
     """
     if target is None:
         if not reader.has_description:
@@ -325,26 +326,39 @@ def restore_from(
     for slot in found.slots:
         if not _blockwise(reader, leaves[slot.index], slot.kind):
             whole.setdefault(slot.saved, []).append(slot)
+    targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
+
+    def place_all(name: str, array: np.ndarray) -> list[tuple[_matching.Slot, Any, str]]:
+        """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
+        placed = []
+        for tied, slot in enumerate(whole[name]):
+            try:
+                leaf = place(
+                    slot.kind, targets[slot.index], _matching.cast_on_host(array, slot.cast)
+                )
+            except ValueError as error:
+                placed.append((slot, None, f"'{slot.target}': {error}"))
+                continue
+            if tied and isinstance(leaf, np.ndarray):
+                leaf = leaf.copy()  # NumPy leaves are mutable: tied ones must not alias
+            placed.append((slot, leaf, ""))
+        return placed
+
     reads = windowed_reads(
         list(whole),
         nbytes,
         lambda group: reader.read_many(group, verify=verify, parallel=parallel),
         HostWindow(host_window_bytes),
         settle=lambda group: settle_placed([leaves[s.index] for n in group for s in whole[n]]),
+        place=place_all,
     )
     with closing(reads):
-        for name, array in reads:
-            for tied, slot in enumerate(whole[name]):  # several when rename ties leaves
-                try:
-                    leaf = place(
-                        slot.kind, leaves[slot.index], _matching.cast_on_host(array, slot.cast)
-                    )
-                except ValueError as error:
-                    problems.append(f"'{slot.target}': {error}")
-                    continue
-                if tied and isinstance(leaf, np.ndarray):
-                    leaf = leaf.copy()  # NumPy leaves are mutable: tied ones must not alias
-                leaves[slot.index] = leaf
+        for _, placed in reads:
+            for slot, leaf, problem in placed:
+                if problem:
+                    problems.append(problem)
+                else:
+                    leaves[slot.index] = leaf
     blockwise = [slot for slot in found.slots if slot.saved not in whole]
     # Read once across processes: a tensor no cast changes, filling one leaf (a tensor tied
     # to several leaves may be placed differently for each).
@@ -389,6 +403,7 @@ def restore_from(
 def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:
     """The restored leaf for `target` from its host bytes `array`: on the target's devices
     for an array target. The transfer is started, not waited for; `settle_placed` waits.
+    Called by the restore's reader threads, several at once.
     (Raises `ValueError` if `array` cannot fill `target`.)"""
     with stage("place"):
         return kind.fill(target, array)

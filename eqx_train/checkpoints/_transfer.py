@@ -3,9 +3,9 @@
 A save moves leaves to the host a few at a time, in order, starting the transfers of the
 next leaves (into pinned host memory, several in flight) before the writer consumes the
 current one, and lets each leaf's host bytes go once they are written (`host_arrays`); a
-restore reads and verifies groups of leaves in a background thread while the caller places
-the previous group on its devices (`windowed_reads`). At most the window's bytes are held
-at once (`_window.HostWindow`), and always at least one leaf.
+restore reads, verifies and places several groups of leaves at once in background threads
+while the caller waits for the previous group to reach its devices (`windowed_reads`). At
+most the window's bytes are held at once (`_window.HostWindow`), and always at least one leaf.
 
 An interrupt (`KeyboardInterrupt`, or a `SystemExit` from a signal handler) stops either
 pipeline wherever it lands: the window is cancelled, which wakes a reader thread waiting
@@ -202,15 +202,19 @@ def windowed_reads(
     read_many: Callable[[list[str]], dict[str, np.ndarray]],
     window: HostWindow,
     settle: Callable[[list[str]], None] | None = None,
-) -> Generator[tuple[str, np.ndarray], None, None]:
-    """`(name, host array)` for every name, in order, read in groups of at most a quarter of
-    the window (at least one leaf each): background threads read (and verify) the next
-    groups, several at once while they fit in the window, while the caller places the
-    current one on its devices.
+    place: Callable[[str, np.ndarray], Any] | None = None,
+) -> Generator[tuple[str, Any], None, None]:
+    """`(name, place(name, host array))` for every name, in order (the host array itself
+    without `place`), read in groups of at most a quarter of the window (at least one leaf
+    each): background threads read (and verify) several groups at once while they fit in
+    the window, and each thread starts placing its group's leaves on their devices as soon
+    as they are read. A host-to-device copy from pageable memory is a memcpy on the calling
+    thread, so placing in one thread would make it the restore's slowest stage.
 
     Once the caller asks for the leaf after a group, `settle(group)` is called (it waits
     until the group's leaves are on their devices: one synchronisation per group, not per
-    leaf), then the group's bytes count as released. Errors of the reads are raised here.
+    leaf), then the group's bytes count as released. Errors of the reads and of `place`
+    are raised here.
     Closing the generator early, or an interrupt anywhere in it, cancels `window` (`window`
     belongs to this call alone): the reader threads stop, even while waiting for room, and
     every byte still held is released before the generator finishes.
@@ -226,12 +230,18 @@ def windowed_reads(
     done = queue.SimpleQueue()  # (group, pending read, bytes), then None; or an exception
     reads = ThreadPoolExecutor(_GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
 
+    def read_and_place(group: list[str]) -> dict[str, Any]:
+        arrays = read_many(group)
+        if place is None:
+            return arrays
+        return {name: place(name, arrays.pop(name)) for name in group}
+
     def read_ahead() -> None:
         try:
             for group in groups:
                 held = sum(nbytes(n) for n in group)
                 window.acquire(held)  # raises Cancelled once the caller is gone
-                done.put((group, reads.submit(read_many, group), held))
+                done.put((group, reads.submit(read_and_place, group), held))
             done.put(None)
         except Cancelled:
             return
@@ -249,13 +259,13 @@ def windowed_reads(
             if isinstance(item, BaseException):
                 raise item
             group, pending, held = item
-            arrays = pending.result()
+            results = pending.result()
             for name in group:
-                yield name, arrays.pop(name)
+                yield name, results.pop(name)
             if settle is not None:
                 settle(group)
             window.release(held)
-            del item, pending, arrays
+            del item, pending, results
     finally:
         # Whatever was taken, read or in flight when this ends (an interrupt may land
         # between any two lines above) is released here, from the window's own count.

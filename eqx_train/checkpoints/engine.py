@@ -7,6 +7,7 @@ place so that they never reach into a private module. Users want `eqx_train.chec
 Importing this module does not import JAX (the command line starts without it).
 """
 
+from ._checksums import text_digest as text_digest
 from ._description import (
     MAX_DEPTH as MAX_DEPTH,
     Tensor as Tensor,
@@ -28,7 +29,6 @@ from ._format import (
     FileReader as FileReader,
     aligned_empty as aligned_empty,
     check_header_size as check_header_size,
-    text_digest as text_digest,
     too_big as too_big,
     write_all as write_all,
     write_file as write_file,
