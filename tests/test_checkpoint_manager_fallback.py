@@ -189,3 +189,44 @@ def test_a_prefix_that_would_list_checkpoints_moved_aside_is_refused(tmp_path):
     # Its retention could otherwise delete what a manager of `checkpoint_` moved aside.
     with pytest.raises(ValueError, match="starts with 'corrupt-'"):
         CheckpointManager(tmp_path, prefix="corrupt-checkpoint_")
+
+
+def test_moving_aside_never_replaces_a_file_that_took_the_name_after_the_check(
+    tmp_path, monkeypatch
+):
+    # Another process (or a person) creates corrupt-checkpoint_7 between the check that the
+    # name is free and the rename: the file it made is kept and the next name is used.
+    _saved(tmp_path, [6, 7])
+    flip_last_byte(tmp_path / "checkpoint_7.safetensors")
+    intruder = tmp_path / "corrupt-checkpoint_7.safetensors"
+    real_exists = _storage.LocalStorage.exists
+
+    def exists(self, path):
+        free = real_exists(self, path)
+        if path == str(intruder) and free is False:
+            intruder.write_bytes(b"not yours")  # lands right after the check
+        return free
+
+    monkeypatch.setattr(_storage.LocalStorage, "exists", exists)
+    # A rename that checked first would replace it, as os.rename does: the check passes.
+    monkeypatch.setattr(os.path, "lexists", lambda path: False)
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.warns(UnreadableCheckpointWarning) as caught:
+        restored = manager.restore(_state(0))
+    np.testing.assert_array_equal(restored["w"], np.full(4, 6.0))
+    assert intruder.read_bytes() == b"not yours"
+    [message] = [str(w.message) for w in caught]
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("corrupt-") and p != intruder]
+    assert len(moved) == 1 and str(moved[0]) in message
+    manager.close()
+
+
+@pytest.mark.skipif(_storage._RENAMEAT2 is None, reason="renameat2 is Linux-only")
+def test_a_local_move_refuses_a_destination_that_appeared_after_any_check(tmp_path, monkeypatch):
+    source, taken = tmp_path / "a", tmp_path / "b"
+    source.write_bytes(b"a")
+    taken.write_bytes(b"b")
+    monkeypatch.setattr(os.path, "lexists", lambda path: False)  # every check says "free"
+    with pytest.raises(FileExistsError, match="b"):
+        _storage.LocalStorage().move(str(source), str(taken))
+    assert taken.read_bytes() == b"b" and source.read_bytes() == b"a"

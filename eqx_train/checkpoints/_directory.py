@@ -258,13 +258,17 @@ def quarantine(store: Storage, ckpt_dir: str, entry: Entry) -> str:
     name = entry.path.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
     for attempt in range(1000):
         new_path = store.join(ckpt_dir, _names.quarantine_name(name, attempt))
-        if not store.exists(new_path):
-            break
+        if store.exists(new_path):
+            continue
+        if entry.sharded and not store.is_local:
+            break  # moved object by object, below
+        try:
+            store.move(entry.path, new_path)
+        except FileExistsError:  # the name was taken since it was checked: try the next
+            continue
+        return new_path
     else:  # pragma: no cover - a thousand quarantined copies of one name
         raise FileExistsError(f"{ckpt_dir} already holds 1000 quarantined copies of {name}")
-    if store.is_local or not entry.sharded:
-        store.move(entry.path, new_path)
-        return new_path
     index = store.join(entry.path, _names.INDEX_NAME)
     names = sorted(item.name for item in store.list(entry.path) if item.is_file)
     for piece in [n for n in names if n != _names.INDEX_NAME] + [_names.INDEX_NAME]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import stat
 import sys
@@ -221,6 +222,41 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def _renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
+    """Linux's `renameat2(2)` (glibc 2.28+, not in `os`), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    function.argtypes += [ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _renameat2()
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def rename_no_replace(path: str, new_path: str) -> None:
+    """Renames `path` to `new_path` unless `new_path` exists (`FileExistsError`), in one
+    step where the kernel and file system can (`RENAME_NOREPLACE`), so that nothing created
+    under `new_path` meanwhile is ever replaced. Elsewhere a check then a rename."""
+    if _RENAMEAT2 is not None:
+        source, target = os.fsencode(path), os.fsencode(new_path)
+        if _RENAMEAT2(_AT_FDCWD, source, _AT_FDCWD, target, _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # no such flag here
+            raise OSError(code, os.strerror(code), path, None, new_path)
+    if os.path.lexists(new_path):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path, None, new_path)
+    os.rename(path, new_path)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -329,10 +365,9 @@ class LocalStorage:
             os.rmdir(path)
 
     def move(self, path: str, new_path: str) -> None:
-        """Renames the file or directory `path` to `new_path`, which must not exist."""
-        if os.path.lexists(new_path):
-            raise FileExistsError(f"{new_path} already exists")
-        os.rename(path, new_path)
+        """Renames the file or directory `path` to `new_path`, which must not exist, and
+        never replaces one that appears meanwhile (`rename_no_replace`)."""
+        rename_no_replace(path, new_path)
         fsync_dir(os.path.dirname(new_path) or ".")
 
     def unfinished_uploads(self, directory: str) -> list[Upload]:
