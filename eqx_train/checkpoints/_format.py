@@ -6,7 +6,7 @@ Layout (see docs/checkpoint_format.md), a plain safetensors file:
 
 The padding makes the tensor bytes start on a 4 KiB page (64 bytes in files of under 1 MiB
 of data), and the writer lays out the tensors whose size is a whole number of pages first
-(`file_order`), so that large tensors start on pages.
+(`file_order`), so that large tensors start on pages; the header lists them in tree order.
 
 The header maps each tensor name (the leaf's key path joined by '.') to its dtype, shape and
 byte range, and holds `__metadata__` (string -> string) with our keys (named in `_names`):
@@ -29,7 +29,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass
@@ -110,25 +110,27 @@ def base_metadata(step_text: str, description: Any) -> dict[str, str]:
 
 
 def _encode_header(
-    tensors: Sequence[Tensor], metadata: dict[str, str], digests: Sequence[str]
+    tensors: Sequence[Tensor], metadata: dict[str, str], digests: Mapping[str, str]
 ) -> bytes:
+    """The header: `tensors` listed in tree order, their bytes laid out in `file_order`."""
     checksums = {
         "algorithm": CHECKSUM_ALGORITHM,
         "metadata": {key: text_digest(value) for key, value in metadata.items()},
-        "tensors": {t.name: d for t, d in zip(tensors, digests, strict=True)},
+        "tensors": {t.name: digests[t.name] for t in tensors},
     }
     entries: dict[str, Any] = {
         METADATA_KEY: {**metadata, CHECKSUMS_KEY: json.dumps(checksums, separators=(",", ":"))}
     }
-    offset = 0
+    offsets, offset = {}, 0
+    for t in file_order(tensors):
+        offsets[t.name] = [offset, offset + _nbytes(t)]
+        offset += _nbytes(t)
     for t in tensors:
-        nbytes = _nbytes(t)
         entries[t.name] = {
             "dtype": DTYPE_TO_CODE[t.dtype],
             "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
+            "data_offsets": offsets[t.name],
         }
-        offset += nbytes
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     alignment = _PAGE if offset >= _PAGE_ALIGNED_FROM else _ALIGN_FOR_DEVICE
     raw += b" " * (-(8 + len(raw)) % alignment)
@@ -157,10 +159,15 @@ def file_order(tensors: Sequence[Tensor]) -> list[Tensor]:
     return sorted(tensors, key=rank)  # stable
 
 
+def _no_digests(tensors: Sequence[Tensor]) -> dict[str, str]:
+    """Placeholders as wide as the real digests: the header keeps its length."""
+    return dict.fromkeys((t.name for t in tensors), _NO_DIGEST)
+
+
 def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str], caller: str) -> None:
     """Raises before anything is written if the file's header would be too big to read."""
     try:
-        _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
+        _encode_header(tensors, metadata, _no_digests(tensors))
     except ValueError as error:
         raise ValueError(f"{caller}: {error}") from None
 
@@ -194,25 +201,24 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     wrong checksum); neither pass frees the snapshot, since the upload may be retried.
     """
     window = current_window()
-    tensors = file_order(tensors)
     if isinstance(out, int):
         _write_to_fd(out, tensors, metadata, window)
         return
-    digests = []
-    with closing(_transfer.host_arrays(tensors, window, final=False)) as leaves:
+    ordered, digests = file_order(tensors), {}
+    with closing(_transfer.host_arrays(ordered, window, final=False)) as leaves:
         for t, array in leaves:
-            digests.append(checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array)))
+            digests[t.name] = checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array))
     out.write(_encode_header(tensors, metadata, digests))
     # Not the final pass either: an upload may be tried again (a store that refuses
     # conditional writes), so the snapshot is let go by the save once it is over.
-    with closing(_transfer.host_arrays(tensors, window, final=False)) as leaves:
-        for (t, array), digest in zip(leaves, digests, strict=True):
+    with closing(_transfer.host_arrays(ordered, window, final=False)) as leaves:
+        for t, array in leaves:
             check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
             for block in chunks(_as_bytes(array), _STREAM_CHUNK):
                 for chunk in chunks(block):
                     check.update(chunk)
                 out.write(block)
-            if check.hexdigest() != digest:
+            if check.hexdigest() != digests[t.name]:
                 raise RuntimeError(
                     f"save_checkpoint: leaf '{t.name}' changed while it was being saved."
                 )
@@ -226,13 +232,13 @@ def _write_to_fd(
     its write (in this thread, in order, so the file only ever grows: a crash leaves a
     prefix). A save then takes as long as its slowest stage, the disk's, plus the first
     transfer and the header."""
-    placeholder = _encode_header(tensors, metadata, [_NO_DIGEST] * len(tensors))
+    placeholder = _encode_header(tensors, metadata, _no_digests(tensors))
     write_all(fd, memoryview(placeholder))
     offset = len(placeholder)  # of the next block; the disk starts on each one written
-    digests = []
+    digests = {}
     with (
         ThreadPoolExecutor(1, thread_name_prefix="eqx_train-hash") as hashing,
-        closing(_transfer.host_arrays(tensors, window)) as leaves,
+        closing(_transfer.host_arrays(file_order(tensors), window)) as leaves,
     ):
         for t, array in leaves:
             view = _as_bytes(array)
@@ -247,7 +253,7 @@ def _write_to_fd(
                 # The leaf's bytes are released by the next step of `leaves`: not before
                 # its hash is done with them, even when the write failed.
                 wait([digest])
-            digests.append(digest.result())
+            digests[t.name] = digest.result()
     header = _encode_header(tensors, metadata, digests)
     if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
         raise AssertionError("checkpoint header changed length")
