@@ -21,11 +21,15 @@ class LazyModule(types.ModuleType):
 
     def __init__(self, name: str):
         super().__init__(name)
+        self._eqx_train_module: types.ModuleType | None = None
 
     def __getattr__(self, attr: str) -> Any:
-        module = importlib.import_module(self.__name__)
-        value = getattr(module, attr)
-        return value
+        # The module is kept, not its attributes: a test that patches `jax.device_put` is
+        # still seen. (Attribute lookups here cost ~3 us each through `import_module`.)
+        module = self._eqx_train_module
+        if module is None:
+            module = self._eqx_train_module = importlib.import_module(self.__name__)
+        return getattr(module, attr)
 
 
 def exports(
