@@ -330,8 +330,8 @@ def restore_from(
 
     def place_all(name: str, array: np.ndarray) -> list[tuple[_matching.Slot, Any, str]]:
         """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
-        placed = []
-        for tied, slot in enumerate(whole[name]):
+        placed, slots = [], whole[name]
+        for slot in slots:
             try:
                 leaf = place(
                     slot.kind, targets[slot.index], _matching.cast_on_host(array, slot.cast)
@@ -339,8 +339,10 @@ def restore_from(
             except ValueError as error:
                 placed.append((slot, None, f"'{slot.target}': {error}"))
                 continue
-            if tied and isinstance(leaf, np.ndarray):
-                leaf = leaf.copy()  # NumPy leaves are mutable: tied ones must not alias
+            if len(slots) > 1 and isinstance(leaf, np.ndarray) and np.may_share_memory(leaf, array):
+                # NumPy leaves are mutable: a tied one must alias neither another NumPy leaf
+                # nor a jax.Array (a CPU device adopts the host buffer it is placed from).
+                leaf = leaf.copy()
             placed.append((slot, leaf, ""))
         return placed
 

@@ -14,12 +14,13 @@ for room, and every byte the pipeline still holds is released.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,31 @@ def host_arrays(
 # Host -> device, a window at a time.
 
 
+def callers_jax_settings() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context that enters, in another thread, the JAX settings of this (the caller's)
+    thread that decide what a placed leaf is: `jax.enable_x64` (float64 stays float64),
+    `jax.default_device` (where a leaf without a sharding goes) and the mesh of
+    `jax.set_mesh` / `jax.sharding.use_abstract_mesh` (what a `PartitionSpec` in a
+    `ShapeDtypeStruct` means). JAX keeps them per thread, so a thread that places leaves
+    for the caller would otherwise place them as if none were set."""
+    x64 = jax.enable_x64.value
+    device = jax.default_device.value
+    mesh = jax.sharding.get_mesh()
+    abstract_mesh = jax.sharding.get_abstract_mesh()
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        with (
+            jax.enable_x64(x64),
+            jax.default_device(device),
+            jax.set_mesh(mesh),
+            jax.sharding.use_abstract_mesh(abstract_mesh),
+        ):
+            yield
+
+    return enter
+
+
 def group_taken() -> None:
     """Called by `windowed_reads` right after the caller's thread takes a group off the
     reader's queue: a seam where tests deliver an interrupt at that exact point."""
@@ -209,7 +235,8 @@ def windowed_reads(
     each): background threads read (and verify) several groups at once while they fit in
     the window, and each thread starts placing its group's leaves on their devices as soon
     as they are read. A host-to-device copy from pageable memory is a memcpy on the calling
-    thread, so placing in one thread would make it the restore's slowest stage.
+    thread, so placing in one thread would make it the restore's slowest stage. `place`
+    runs with the caller's JAX settings (`callers_jax_settings`).
 
     Once the caller asks for the leaf after a group, `settle(group)` is called (it waits
     until the group's leaves are on their devices: one synchronisation per group, not per
@@ -229,12 +256,14 @@ def windowed_reads(
         size += nbytes(name)
     done = queue.SimpleQueue()  # (group, pending read, bytes), then None; or an exception
     reads = ThreadPoolExecutor(_GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
+    settings = callers_jax_settings() if place is not None else contextlib.nullcontext
 
     def read_and_place(group: list[str]) -> dict[str, Any]:
         arrays = read_many(group)
         if place is None:
             return arrays
-        return {name: place(name, arrays.pop(name)) for name in group}
+        with settings():
+            return {name: place(name, arrays.pop(name)) for name in group}
 
     def read_ahead() -> None:
         try:
@@ -249,8 +278,10 @@ def windowed_reads(
             done.put(error)
 
     reader = threading.Thread(target=read_ahead, name="eqx_train-restore-read", daemon=True)
-    reader.start()
     try:
+        # Inside the `try`: the reader may already hold window bytes and place leaves when
+        # an interrupt lands before `start` returns.
+        reader.start()
         while True:
             item = done.get()
             group_taken()
@@ -269,7 +300,16 @@ def windowed_reads(
     finally:
         # Whatever was taken, read or in flight when this ends (an interrupt may land
         # between any two lines above) is released here, from the window's own count.
+        # Each step even if a second interrupt stops the one before: the threads end on their
+        # own once the window is cancelled and the pool shut down.
         window.cancel()
-        reader.join()
-        reads.shutdown(wait=True, cancel_futures=True)
-        window.release_all()
+        try:
+            try:
+                reader.join()
+            except RuntimeError:  # interrupted before it started: it finds the window cancelled
+                pass
+        finally:
+            try:
+                reads.shutdown(wait=True, cancel_futures=True)
+            finally:
+                window.release_all()
