@@ -196,20 +196,23 @@ class LocalSource:
             self.fd = -1
 
 
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Linux's `sync_file_range(2)` (not in `os`), or None where there is none."""
+def _linux_call(name: str, *argtypes: Any) -> Any:
+    """The C library's `name`, a Linux call that `os` lacks (returning an int, keeping
+    `errno`), or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE = _linux_call(
+    "sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+)
 _SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages out; do not wait
 
 
@@ -222,21 +225,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
-def _renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
-    """Linux's `renameat2(2)` (glibc 2.28+, not in `os`), or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
-    function.argtypes += [ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_RENAMEAT2 = _renameat2()
+_RENAMEAT2 = _linux_call(  # glibc 2.28+
+    "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
