@@ -175,6 +175,15 @@ def test_reserved_metadata_key_is_refused_before_anything_is_written_or_deleted(
     assert_trees_equal(checkpoints.restore_checkpoint(tmp_path, None), TREE)
 
 
+def test_a_key_that_is_not_valid_utf8_is_refused_by_name_before_anything_is_written(tmp_path):
+    # os.listdir and friends decode undecodable file names to lone surrogates; a safetensors
+    # header is UTF-8, so such a key cannot be stored, and the error says which and why.
+    checkpoints.save_checkpoint(tmp_path, TREE, 1, keep=1)
+    with pytest.raises(ValueError, match=r"tensor name 'run_\\udcff\.w' is not valid UTF-8"):
+        checkpoints.save_checkpoint(tmp_path, {"run_\udcff": {"w": np.ones(2)}}, 2, keep=1)
+    assert os.listdir(tmp_path) == ["checkpoint_1.safetensors"]
+
+
 def test_errors_through_the_manager_name_the_manager(tmp_path):
     manager = CheckpointManager(tmp_path)
     with pytest.raises(ValueError, match=r"^CheckpointManager\.save: the tensor name"):

@@ -256,6 +256,14 @@ def _children(node: Any) -> list[tuple[Any, Any]] | None:
     return [(path[0], child) for path, child in pairs]
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
     """The JSON description of `tree` and its tensors in order. Raises, before anything is
     written, naming the leaf path, for what cannot be saved faithfully."""
@@ -268,6 +276,12 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
             raise ValueError(
                 f"{caller}: the tensor name '{name}' is reserved by the safetensors format "
                 "(it holds the file's metadata). Rename that key."
+            )
+        if not name.isascii() and not _is_utf8(name):
+            raise ValueError(
+                f"{caller}: the tensor name {name!r} is not valid UTF-8 (a key holds a lone "
+                "surrogate, e.g. a file name decoded with errors='surrogateescape'); a "
+                "safetensors header is UTF-8 JSON. Rename that key."
             )
         if name in seen:
             raise ValueError(
