@@ -118,7 +118,8 @@ def save_checkpoint(
     **Raises:**
 
     `ValueError` for a step that is not newer than the latest (without `overwrite`), an
-    invalid prefix or a reserved key (`__metadata__`); `TypeError` naming the leaf path for
+    invalid prefix, or a tensor name that is reserved (`__metadata__`), not valid UTF-8, or
+    shared by two leaves (a key containing `.`); `TypeError` naming the leaf path for
     a dtype safetensors cannot hold; `OSError` when the disk is full (previous checkpoints
     untouched, no temporary file left behind). Nothing is written or deleted when it raises
     before writing.
@@ -482,9 +483,10 @@ def restore_checkpoint(
     - `verify`: check every tensor read against the checksum recorded when it was saved
       (default). Files written before checksums existed have nothing to check.
     - `host_window_bytes`: the most leaf bytes held on the host at once while restoring
-      into a target (at least one leaf); default 256 MiB. The next leaves are read and
-      verified while earlier ones are placed on their devices, and each leaf's host bytes
-      are let go once it is there. (With `target=None` the result itself is on the host.)
+      into a target (at least one leaf); default 256 MiB. Background threads read, verify
+      and place up to four groups of leaves at once (each at most a quarter of the window,
+      or one larger leaf), and each group's host bytes are let go once its leaves are on
+      their devices. (With `target=None` the result itself is on the host.)
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...) apply too.

@@ -252,9 +252,11 @@ def quarantine(store: Storage, ckpt_dir: str, entry: Entry) -> str:
     """Moves a checkpoint that was skipped as unreadable out of the listing, keeping it
     whole beside the others under `_names.quarantine_name`; returns its new path.
 
-    Locally that is one rename (of the file or the `.shards` directory). An object store
-    has no rename: each object is copied and removed, a `.shards` index last, so that the
-    checkpoint stays whole under one of its two names throughout."""
+    Locally that is one rename (of the file or the `.shards` directory) that never replaces
+    a name taken since it was checked (`LocalStorage.move`): the next name is tried. An
+    object store has no rename: each object is copied and removed, a `.shards` index last,
+    so that the checkpoint stays whole under one of its two names throughout (there the name
+    is checked, then written: an object put under it in between would be replaced)."""
     name = entry.path.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
     for attempt in range(1000):
         new_path = store.join(ckpt_dir, _names.quarantine_name(name, attempt))

@@ -356,8 +356,10 @@ class LocalStorage:
             os.rmdir(path)
 
     def move(self, path: str, new_path: str) -> None:
-        """Renames the file or directory `path` to `new_path`, which must not exist, and
-        never replaces one that appears meanwhile (`rename_no_replace`)."""
+        """Renames the file or directory `path` to `new_path`, which must not exist
+        (`FileExistsError`), and on Linux never replaces one that appears meanwhile
+        (`rename_no_replace`; elsewhere, or on a file system without `RENAME_NOREPLACE`,
+        a check then a rename)."""
         rename_no_replace(path, new_path)
         fsync_dir(os.path.dirname(new_path) or ".")
 

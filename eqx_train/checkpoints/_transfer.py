@@ -234,7 +234,7 @@ def windowed_reads(
     without `place`), read in groups of at most a quarter of the window (at least one leaf
     each): background threads read (and verify) several groups at once while they fit in
     the window, and each thread starts placing its group's leaves on their devices as soon
-    as they are read. A host-to-device copy from pageable memory is a memcpy on the calling
+    as the group is read. A host-to-device copy from pageable memory is a memcpy on the calling
     thread, so placing in one thread would make it the restore's slowest stage. `place`
     runs with the caller's JAX settings (`callers_jax_settings`).
 

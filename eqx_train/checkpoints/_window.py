@@ -92,7 +92,7 @@ class Cancelled(Exception):
 class HostWindow:
     """Admits leaf bytes up to `limit` at once (a leaf bigger than `limit` alone), blocking
     `acquire` until enough earlier bytes are released. Thread-safe: a restore's reader
-    threads acquire while its placing thread releases.
+    thread acquires while the caller's thread releases each group once it is placed.
 
     One window belongs to one pipeline, so what it holds when the pipeline ends is exactly
     what the pipeline failed to release: `cancel()` wakes every waiting `acquire` (which then
