@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import CheckpointManager, UnreadableCheckpointWarning, _storage
+from eqx_train.checkpoints import (
+    CheckpointManager,
+    UnreadableCheckpointWarning,
+    _directory,
+    _storage,
+)
 from tests.helpers import flip_last_byte
 from tests.test_docs_examples import DOCS, _blocks
 
@@ -230,3 +235,27 @@ def test_a_local_move_refuses_a_destination_that_appeared_after_any_check(tmp_pa
     with pytest.raises(FileExistsError, match="b"):
         _storage.LocalStorage().move(str(source), str(taken))
     assert taken.read_bytes() == b"b" and source.read_bytes() == b"a"
+
+
+def test_a_save_that_replaces_the_corrupt_file_just_before_it_is_moved_aside_stays_listed(
+    tmp_path, monkeypatch
+):
+    # Another process saves step 7 again between the check that the corrupt version is still
+    # there and the move: the move takes the new save, which is then put back.
+    _saved(tmp_path, [6, 7])
+    flip_last_byte(tmp_path / "checkpoint_7.safetensors")
+    real = _directory.quarantine
+
+    def quarantine(store, ckpt_dir, entry):
+        checkpoints.save_checkpoint(tmp_path, _state(70), 7, overwrite=True, keep=10)
+        return real(store, ckpt_dir, entry)
+
+    monkeypatch.setattr(_directory, "quarantine", quarantine)
+    manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
+    with pytest.warns(UnreadableCheckpointWarning, match="new save was left under its name"):
+        np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 6.0))
+    monkeypatch.undo()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("corrupt-")]
+    assert manager.all_steps() == [6, 7]
+    np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 70.0))
+    manager.close()

@@ -4,6 +4,7 @@ the processes of a multi-process job skip the same ones."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -156,6 +157,33 @@ def _version(store: _storage.Storage, entry: _directory.Entry) -> Any:
         return None
 
 
+def _check_moved(
+    store: _storage.Storage, entry: _directory.Entry, new_path: str, version: Any
+) -> str:
+    """What to say of `entry`, just moved to `new_path`. Locally a rename keeps a file's
+    identity, so a save of the same step that replaced the unreadable one between the
+    check and the move shows here: it is put back under its name (unless yet another save
+    took the name meanwhile)."""
+    moved = dataclasses.replace(entry, path=new_path)
+    if not store.is_local or _version(store, moved) == version:
+        return (
+            f"It was moved to {new_path}, which no listing counts, so that saving its step "
+            "again works; delete it once inspected."
+        )
+    try:
+        store.move(new_path, entry.path)
+    except OSError as error:
+        return (
+            f"A save of its step replaced it just before it was moved aside, and went to "
+            f"{new_path} in its stead; putting that back failed ({error}): move it back by "
+            "hand."
+        )
+    return (
+        "It was replaced by a save of its step just before it could be moved aside (by "
+        "another process), so the new save was left under its name."
+    )
+
+
 def _quarantine(
     store: _storage.Storage,
     directory: str,
@@ -186,10 +214,7 @@ def _quarantine(
                     "saving its step again fails."
                 )
             else:
-                said[entry.path] = (
-                    f"It was moved to {new_path}, which no listing counts, so that saving "
-                    "its step again works; delete it once inspected."
-                )
+                said[entry.path] = _check_moved(store, entry, new_path, version)
         return json.dumps(said)
 
     if not entries:
