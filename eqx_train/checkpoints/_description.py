@@ -91,6 +91,10 @@ class Tensor:
     source: Any = None
     owned: bool = False
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
 
 def is_prng_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -124,8 +124,8 @@ def _encode_header(
     }
     offsets, offset = {}, 0
     for t in file_order(tensors):
-        offsets[t.name] = [offset, offset + _nbytes(t)]
-        offset += _nbytes(t)
+        offsets[t.name] = [offset, offset + t.nbytes]
+        offset += t.nbytes
     for t in tensors:
         entries[t.name] = {
             "dtype": DTYPE_TO_CODE[t.dtype],
@@ -143,10 +143,6 @@ def _encode_header(
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _nbytes(tensor: Tensor) -> int:
-    return math.prod(tensor.shape) * tensor.dtype.itemsize
-
-
 def file_order(tensors: Sequence[Tensor]) -> list[Tensor]:
     """The order of the tensors' bytes in a file: those whose size is a whole number of pages
     first, then of 64 bytes, then the rest, each in tree order. The data section starts on a
@@ -156,8 +152,9 @@ def file_order(tensors: Sequence[Tensor]) -> list[Tensor]:
     rest may start anywhere."""
 
     def rank(tensor: Tensor) -> int:
-        nbytes = _nbytes(tensor)
-        return 0 if nbytes % _PAGE == 0 else 1 if nbytes % _ALIGN_FOR_DEVICE == 0 else 2
+        return (
+            0 if tensor.nbytes % _PAGE == 0 else 1 if tensor.nbytes % _ALIGN_FOR_DEVICE == 0 else 2
+        )
 
     return sorted(tensors, key=rank)  # stable
 

@@ -183,7 +183,7 @@ def another_fits(tensors: Sequence[Tensor], mode: SnapshotMode) -> bool:
     copied = [s for s in sources if s is not None and not (mode == "auto" and _pinnable(s))]
     if mode != "host":
         return _shortfall(copied, DEVICE_MEMORY_SHARE) is None
-    nbytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
+    nbytes = sum(t.nbytes for t in tensors)
     free = host_available_bytes()
     return free is None or nbytes <= DEVICE_MEMORY_SHARE * free
 

@@ -15,7 +15,6 @@ for room, and every byte the pipeline still holds is released.
 from __future__ import annotations
 
 import contextlib
-import math
 import queue
 import threading
 import time
@@ -113,7 +112,7 @@ def _start_transfer(source: jax.Array) -> tuple[Any, bool]:
 def _held_for(tensor: Tensor) -> int:
     """Host bytes a leaf takes while the pipeline holds it: twice its size when its shards
     arrive separately and are assembled into one array on the host."""
-    nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
+    nbytes = tensor.nbytes
     source = tensor.source
     if (
         isinstance(source, jax.Array)
@@ -227,16 +226,16 @@ def windowed_reads(
     nbytes: Callable[[str], int],
     read_many: Callable[[list[str]], dict[str, np.ndarray]],
     window: HostWindow,
-    settle: Callable[[list[str]], None] | None = None,
-    place: Callable[[str, np.ndarray], Any] | None = None,
+    settle: Callable[[list[str]], None],
+    place: Callable[[str, np.ndarray], Any],
 ) -> Generator[tuple[str, Any], None, None]:
-    """`(name, place(name, host array))` for every name, in order (the host array itself
-    without `place`), read in groups of at most a quarter of the window (at least one leaf
-    each): background threads read (and verify) several groups at once while they fit in
-    the window, and each thread starts placing its group's leaves on their devices as soon
-    as the group is read. A host-to-device copy from pageable memory is a memcpy on the calling
-    thread, so placing in one thread would make it the restore's slowest stage. `place`
-    runs with the caller's JAX settings (`callers_jax_settings`).
+    """`(name, place(name, host array))` for every name, in order, read in groups of at most
+    a quarter of the window (at least one leaf each): background threads read (and verify)
+    several groups at once while they fit in the window, and each thread places its group's
+    leaves on their devices as soon as the group is read. A host-to-device copy from
+    pageable memory is a memcpy on the calling thread, so placing in one thread would make
+    it the restore's slowest stage. `place` runs with the caller's JAX settings
+    (`callers_jax_settings`).
 
     Once the caller asks for the leaf after a group, `settle(group)` is called (it waits
     until the group's leaves are on their devices: one synchronisation per group, not per
@@ -256,12 +255,10 @@ def windowed_reads(
         size += nbytes(name)
     done = queue.SimpleQueue()  # (group, pending read, bytes), then None; or an exception
     reads = ThreadPoolExecutor(_GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
-    settings = callers_jax_settings() if place is not None else contextlib.nullcontext
+    settings = callers_jax_settings()
 
     def read_and_place(group: list[str]) -> dict[str, Any]:
         arrays = read_many(group)
-        if place is None:
-            return arrays
         with settings():
             return {name: place(name, arrays.pop(name)) for name in group}
 
@@ -293,8 +290,7 @@ def windowed_reads(
             results = pending.result()
             for name in group:
                 yield name, results.pop(name)
-            if settle is not None:
-                settle(group)
+            settle(group)
             window.release(held)
             del item, pending, results
     finally:
