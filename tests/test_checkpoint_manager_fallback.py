@@ -3,6 +3,7 @@ unreadable (corrupt, or a disk read error) is moved aside, whole, under a name n
 counts, so that the run resuming from the older one saves that step again; and a disk read
 error is a fallback, named by file, like corruption."""
 
+import ctypes
 import errno
 import os
 import re
@@ -259,3 +260,26 @@ def test_a_save_that_replaces_the_corrupt_file_just_before_it_is_moved_aside_sta
     assert manager.all_steps() == [6, 7]
     np.testing.assert_array_equal(manager.restore(_state(0))["w"], np.full(4, 70.0))
     manager.close()
+
+
+@pytest.mark.parametrize("kernel", ["no renameat2", "a file system without the flag"])
+def test_a_local_move_without_rename_noreplace_still_refuses_an_existing_destination(
+    tmp_path, monkeypatch, kernel
+):
+    if kernel == "no renameat2":
+        monkeypatch.setattr(_storage, "_RENAMEAT2", None)
+    else:
+
+        def renameat2(*args):
+            ctypes.set_errno(errno.EINVAL)  # what such a file system answers
+            return -1
+
+        monkeypatch.setattr(_storage, "_RENAMEAT2", renameat2)
+    source, taken, free = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    source.write_bytes(b"a")
+    taken.write_bytes(b"b")
+    with pytest.raises(FileExistsError):
+        _storage.LocalStorage().move(str(source), str(taken))
+    assert taken.read_bytes() == b"b" and source.read_bytes() == b"a"
+    _storage.LocalStorage().move(str(source), str(free))
+    assert free.read_bytes() == b"a" and not source.exists()
