@@ -70,15 +70,14 @@ def _spec(shape: Sequence[int], dtype: np.dtype) -> str:
 def _open(path: str, prefix: str) -> tuple[str, Any]:
     """(what the path is, its reader) for a file, a `.shards` checkpoint or a Hugging Face
     directory; ("directory", listing) for a directory of checkpoints."""
-    found = engine.locate(_LOCAL, path, hf=True) if os.path.lexists(path) else None
+    found = engine.locate(_LOCAL, path) if os.path.lexists(path) else None
     if found is None:
         raise CommandError(f"{path}: no such file or directory")
     if found.layout != "directory":
         try:
             reader = engine.open_reader(_LOCAL, found)
-        except CheckpointFormatError:
-            # A safetensors header can start with any byte: ask only once it failed.
-            if found.layout == "file" and interop.looks_like_flax(path):
+        except engine.ForeignCheckpointError as error:
+            if error.kind == "flax":
                 raise ForeignCheckpoint(path, "flax", "a flax msgpack checkpoint") from None
             raise
         if found.layout == "file":

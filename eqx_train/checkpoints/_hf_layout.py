@@ -50,9 +50,9 @@ class IndexReader(ReaderBase):
     the tensors asked for.
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, index_name: str = HF_INDEX_NAME):
         self.path = directory
-        self.index_path = os.path.join(directory, HF_INDEX_NAME)
+        self.index_path = os.path.join(directory, index_name)
         self._files: dict[str, FileReader] = {}
         try:
             self._load()
@@ -90,6 +90,13 @@ class IndexReader(ReaderBase):
                     "not a plain file name in the directory"
                 )
             by_file.setdefault(file, []).append(name)
+        pickles = sorted(f for f in by_file if f.endswith((".bin", ".pt", ".pth")))
+        if pickles:
+            raise CheckpointFormatError(
+                f"{self.index_path} is an index of PyTorch pickle shards ({short(pickles[:3])}), "
+                "not of safetensors files: load each with torch.load(path, weights_only=True) "
+                "and pass the merged state dict to eqx_train.interop.from_state_dict"
+            )
         # Only the string entries are ours (total_size is a number; others are foreign).
         self.metadata: dict[str, str] = {k: v for k, v in metadata.items() if isinstance(v, str)}
         self.total_size = metadata.get("total_size")
@@ -159,22 +166,3 @@ class IndexReader(ReaderBase):
         for file, group in grouped.items():
             found.update(self._files[file].read_many(group, verify=verify, parallel=parallel))
         return {name: found[name] for name in names}
-
-
-def open_layout(directory: str) -> FileReader | IndexReader:
-    """The reader for a Hugging Face directory: `model.safetensors` when present (as
-    `transformers` prefers it), else the index and its shards."""
-    single = os.path.join(directory, HF_SINGLE_NAME)
-    if os.path.isfile(single):
-        return FileReader(single)
-    if os.path.lexists(os.path.join(directory, HF_INDEX_NAME)):
-        return IndexReader(directory)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"{directory} is not a directory")
-    raise FileNotFoundError(f"{directory} holds neither {HF_SINGLE_NAME} nor {HF_INDEX_NAME}")
-
-
-def is_layout(directory: str) -> bool:
-    return os.path.isdir(directory) and any(
-        os.path.lexists(os.path.join(directory, n)) for n in (HF_SINGLE_NAME, HF_INDEX_NAME)
-    )

@@ -501,6 +501,16 @@ class CheckpointManager:
             self._store, self.directory, self._listing, target, options, timeout_s=self.timeout_s
         )
         self._latest_known = False  # a skipped checkpoint was moved aside: list again
+        if restored is target:
+            # No checkpoint of its own (a fine-tune's first run): other weights in the
+            # directory (a Hugging Face layout) are read, or refused by name, never skipped.
+            return restore_checkpoint(
+                self.directory,
+                target,
+                prefix=self.prefix,
+                storage_options=self.storage_options,
+                **options,
+            )
         return restored
 
     # ------------------------------------------------------------------ internals

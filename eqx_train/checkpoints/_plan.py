@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _locations, _matching, _names, _restore, _selection
+from . import _layouts, _locations, _matching, _names, _restore, _selection
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,11 @@ class RestorePlan:
       `strict=False`, left out by `filter_spec`, or given no source by `rename`).
     - `unused`: saved names no target leaf takes.
     - `problems`: what the restore would refuse, one line each, naming the leaf.
+    - `call`: the call that reads this checkpoint with the same arguments:
+      `"restore_checkpoint"` (also `CheckpointManager.restore` and, for a Hugging Face
+      layout, `eqx_train.interop.load_sharded`), or `"load_flax_checkpoint"` /
+      `"load_orbax_checkpoint"` for a flax or Orbax path, which `restore_checkpoint`
+      refuses naming that call.
     """
 
     path: str
@@ -38,6 +43,7 @@ class RestorePlan:
     kept: list[str]
     unused: list[str]
     problems: list[str]
+    call: str = "restore_checkpoint"
 
     @property
     def ok(self) -> bool:
@@ -60,7 +66,8 @@ class RestorePlan:
         rows += [("-", name, "unused") for name in self.unused]
         width = [max(len(row[i]) for row in rows) for i in range(2)]
         verdict = "would succeed" if self.ok else f"would fail ({len(self.problems)} problems)"
-        lines = [f"restore from {self.path} {verdict}:"]
+        call = "restore" if self.call == "restore_checkpoint" else self.call
+        lines = [f"{call} from {self.path} {verdict}:"]
         lines += [f"  {a:<{width[0]}}  {b:<{width[1]}}  {c}".rstrip() for a, b, c in rows]
         if self.problems:
             lines.append("problems:")
@@ -88,7 +95,9 @@ def plan_restore(
     **Arguments:**
 
     - `ckpt_dir`, `step`, `prefix`, `storage_options`: which checkpoint, as for
-      `restore_checkpoint`.
+      `restore_checkpoint`: any layout it reads (a Hugging Face directory, `model.safetensors`
+      or index included), and a flax msgpack or Orbax path, planned as
+      `load_flax_checkpoint` / `load_orbax_checkpoint` would load it (`RestorePlan.call`).
     - `target`: the pytree a restore would fill (arrays or `jax.ShapeDtypeStruct`s), or
       None: every tensor taken as saved (then `rename`, `casting` and `filter_spec`,
       which apply to a target's leaves, are refused).
@@ -109,12 +118,22 @@ def plan_restore(
     _selection.check_config(config, caller)
     _matching.check_options(casting, rename, caller, target=target, filter_spec=filter_spec)
     store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
-    entry, _ = _restore._resolve(store, where, step, prefix)
-    if entry is None:
-        raise FileNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
-    with _restore.open_reader(store, entry) as reader:
+    try:
+        entry, _ = _restore._resolve(store, where, step, prefix)
+        if entry is None:
+            raise FileNotFoundError(
+                f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}')."
+            )
+        call, reader = "restore_checkpoint", _restore.open_reader(store, entry)
+    except _layouts.ForeignCheckpointError as error:
+        foreign = _layouts.foreign_reader(error.kind, error.path, prefix)
+        if foreign is None:
+            raise
+        call, reader = foreign
+    with reader:
         if target is None:  # the restore loads every tensor as saved
-            return RestorePlan(reader.path, {n: n for n in reader.arrays()}, {}, [], [], [])
+            names = {n: n for n in reader.arrays()}
+            return RestorePlan(reader.path, names, {}, [], [], [], call)
         found = _matching.match(
             reader,
             target,
@@ -132,4 +151,5 @@ def plan_restore(
             list(found.kept),
             list(found.unused),
             list(found.problems),
+            call,
         )

@@ -32,7 +32,7 @@ from . import _directory, _matching, _names, _read_once, _selection
 from ._description import LeafKind, rebuild, weak_like
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
-from ._hf_layout import is_layout, open_layout
+from ._layouts import Location, foreign_directory, locate, open_reader
 from ._shards import ShardedReader
 from ._storage import Storage
 from ._transfer import windowed_reads
@@ -41,9 +41,6 @@ from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
 RESTORE_ATTEMPTS = 5
-
-Layout = Literal["file", "shards", "hf", "directory"]
-
 
 @runtime_checkable
 class Reader(Protocol):
@@ -98,38 +95,6 @@ class Reader(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-class Location(NamedTuple):
-    """A path and what it holds (a directory listing's `Entry` says the same of a listed
-    checkpoint)."""
-
-    path: str
-    layout: Layout
-
-
-def locate(store: Storage, path: str, *, hf: bool = False) -> Location | None:
-    """What `path` holds: a checkpoint file, a committed `.shards` directory, (with `hf`) a
-    Hugging Face directory, or else any other directory (of checkpoints, say); None if
-    nothing is there. Each question is asked once (on an object store, one request)."""
-    if store.is_dir(path):
-        if store.is_file(store.join(path, _names.INDEX_NAME)):
-            return Location(path, "shards")
-        if hf and store.is_local and is_layout(path):
-            return Location(path, "hf")
-        return Location(path, "directory")
-    return Location(path, "file") if store.exists(path) else None
-
-
-def open_reader(store: Storage, entry: _directory.Entry | Location) -> Reader:
-    """The reader of the checkpoint `entry` (from a listing, or `locate`), by its layout."""
-    if entry.layout == "shards":
-        return ShardedReader(store, entry.path)
-    if entry.layout == "file":
-        return FileReader(entry.path, store.open(entry.path))
-    if entry.layout == "hf" and store.is_local:
-        return open_layout(entry.path)
-    raise ValueError(f"{entry.path} is not a checkpoint (it holds a {entry.layout} layout)")
-
-
 def _resolve(
     store: Storage, ckpt_dir: str, step: Any, prefix: str
 ) -> tuple[_directory.Entry | Location | None, bool]:
@@ -137,6 +102,8 @@ def _resolve(
     found = locate(store, ckpt_dir)
     if found is None:
         return None, False
+    if found.layout == "hf" and found.path != ckpt_dir:
+        _refuse_two_layouts(store, ckpt_dir, found.path, prefix)
     if found.layout != "directory":
         if step is not None:
             raise ValueError(
@@ -147,6 +114,12 @@ def _resolve(
     if ckpt_dir.rstrip("/" + os.sep).endswith(_names.SHARDED_SUFFIX):
         raise invalid(ckpt_dir)(f"it has no {_names.INDEX_NAME}, so its save never committed")
     listing = _directory.list_checkpoints(store, ckpt_dir, prefix)
+    if not listing:
+        # No checkpoint of ours: weights of another layout are read or refused, never
+        # silently skipped (only a directory without weights returns the target as it is).
+        weights = foreign_directory(store, ckpt_dir, prefix)
+        if weights is not None:
+            return _resolve(store, weights.path, step, prefix)[0], False
     if step is None:
         return _directory.latest(listing), True
     found_step = _directory.find_step(listing, _names.check_step(step, "restore_checkpoint"))
@@ -157,6 +130,18 @@ def _resolve(
         f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
         f"{ckpt_dir}; available steps: {available}."
     )
+
+
+def _refuse_two_layouts(store: Storage, directory: str, hf_path: str, prefix: str) -> None:
+    """A directory holding both Hugging Face weights and checkpoints of ours: which one a
+    restore means is a guess, and a wrong guess starts from the wrong weights silently."""
+    listing = _directory.list_checkpoints(store, directory, prefix)
+    if listing:
+        raise ValueError(
+            f"restore_checkpoint: {directory} holds both Hugging Face weights "
+            f"({os.path.basename(hf_path)}) and checkpoints with prefix '{prefix}' (latest "
+            f"{os.path.basename(listing[-1].path)}); pass the file or checkpoint to restore."
+        )
 
 
 def restore(store: Storage, where: str, target: T, step: Any, prefix: str, **options: Any) -> T:

@@ -34,6 +34,7 @@ from ._format import (
     write_file as write_file,
 )
 from ._hf_layout import IndexReader as IndexReader
+from ._matching import Casting as Casting, Rename as Rename
 from ._names import (
     FORMAT_KEY as FORMAT_KEY,
     FORMAT_NAME as FORMAT_NAME,
@@ -57,11 +58,18 @@ from ._names import (
     step_from_text as step_from_text,
     writer_is_dead as writer_is_dead,
 )
-from ._restore import (
+from ._layouts import (
+    FOREIGN_READERS as FOREIGN_READERS,
+    ForeignCheckpointError as ForeignCheckpointError,
     Location as Location,
-    Reader as Reader,
+    hf_file as hf_file,
+    is_orbax as is_orbax,
     locate as locate,
     open_reader as open_reader,
+)
+from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
+from ._restore import (
+    Reader as Reader,
     restore_from as restore_from,
 )
 from ._storage import (

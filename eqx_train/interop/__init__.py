@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from .._lazy import exports
 
 if TYPE_CHECKING:
-    from ._flax import load_flax_checkpoint as load_flax_checkpoint
+    from ._flax_load import load_flax_checkpoint as load_flax_checkpoint
     from ._hf import load_sharded as load_sharded, save_sharded as save_sharded
     from ._orbax import load_orbax_checkpoint as load_orbax_checkpoint
     from ._state_dict import (
@@ -21,7 +21,7 @@ __getattr__, __dir__ = exports(
     {
         "LoadReport": "_state_dict",
         "from_state_dict": "_state_dict",
-        "load_flax_checkpoint": "_flax",
+        "load_flax_checkpoint": "_flax_load",
         "load_orbax_checkpoint": "_orbax",
         "load_sharded": "_hf",
         "save_sharded": "_hf",

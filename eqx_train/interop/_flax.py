@@ -49,7 +49,7 @@ _MAX_SMALL_EXT = 4096  # a complex or NumPy-scalar payload is a few dozen bytes
 _MAX_DTYPE_NAME = 64
 _MAX_OBJECTS = 1_000_000  # containers and arrays: far beyond any model's state dict
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
-_CHUNKED = "__msgpack_chunked_array__"
+CHUNKED = "__msgpack_chunked_array__"
 # flax's own rules for picking the latest file in a directory (flax.training.checkpoints).
 _SIGNED_FLOAT = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
 _ORBAX_MARKERS = ("checkpoint", "_METADATA", "manifest.ocdbt")
@@ -57,7 +57,7 @@ _MPA_PLACEHOLDER = "//GDAPlaceholder:"
 
 
 @dataclass(frozen=True)
-class _ArrayRef:
+class ArrayRef:
     """An ndarray found in the file, not yet read: where its bytes are and what they are."""
 
     offset: int
@@ -65,7 +65,7 @@ class _ArrayRef:
     shape: tuple[int, ...]
 
 
-class _Source:
+class Source:
     """Bytes of one open file by absolute offset, read through a small window so that walking
     the framing costs few system calls; array data bypasses the window."""
 
@@ -145,7 +145,7 @@ class _Token:
         return self.body + self.length
 
 
-def _token(src: _Source, pos: int) -> _Token:
+def _token(src: Source, pos: int) -> _Token:
     b = src.byte(pos)
     if b <= 0x7F or b >= 0xE0:
         return _Token("scalar", pos, pos, 1)
@@ -177,7 +177,7 @@ def _signed_byte(b: int) -> int:
     return b - 256 if b >= 128 else b
 
 
-def _decode_scalar(src: _Source, token: _Token) -> Any:
+def _decode_scalar(src: Source, token: _Token) -> Any:
     raw = src.get(token.start, token.length)
     # The library decodes every scalar, so values are exactly what flax's reader returns.
     try:
@@ -186,7 +186,7 @@ def _decode_scalar(src: _Source, token: _Token) -> Any:
         raise src.bad(f"the value at byte {token.start} does not decode ({error})") from None
 
 
-def _check_count(src: _Source, token: _Token, min_bytes_each: int) -> None:
+def _check_count(src: Source, token: _Token, min_bytes_each: int) -> None:
     # Every element takes at least one byte: a count the rest of the file cannot hold is
     # refused before any container is built.
     if token.length * min_bytes_each > src.size - token.body:
@@ -196,7 +196,7 @@ def _check_count(src: _Source, token: _Token, min_bytes_each: int) -> None:
         )
 
 
-def _dtype(name: Any, src: _Source, where: int) -> np.dtype:
+def _dtype(name: Any, src: Source, where: int) -> np.dtype:
     text = name.decode("ascii", "replace") if isinstance(name, bytes) else name
     dtype = None
     if (
@@ -221,7 +221,7 @@ def _dtype(name: Any, src: _Source, where: int) -> np.dtype:
     return dtype
 
 
-def _ndarray(src: _Source, token: _Token) -> _ArrayRef:
+def _ndarray(src: Source, token: _Token) -> ArrayRef:
     """Parses an ndarray extension payload `[shape, dtype name, bytes]` without reading the
     bytes."""
     header = _token(src, token.body)
@@ -252,10 +252,10 @@ def _ndarray(src: _Source, token: _Token) -> _ArrayRef:
         raise src.bad(f"the array at byte {token.start} is {dtype}{shape} but holds {nbytes} bytes")
     if data.end > src.size:
         raise src.bad(f"the array at byte {token.start} runs past the end (truncated)")
-    return _ArrayRef(offset, dtype, tuple(shape))
+    return ArrayRef(offset, dtype, tuple(shape))
 
 
-def _extension(src: _Source, token: _Token) -> Any:
+def _extension(src: Source, token: _Token) -> Any:
     if token.end > src.size:
         raise src.bad(f"the value at byte {token.start} runs past the end (truncated)")
     if token.ext_code == _EXT_NDARRAY:
@@ -280,8 +280,8 @@ def _extension(src: _Source, token: _Token) -> Any:
         raise src.bad(f"the complex number at byte {token.start} is malformed") from None
 
 
-def _parse(src: _Source) -> Any:
-    """The one msgpack value the file holds, arrays left as `_ArrayRef`s. Iterative, so a
+def parse(src: Source) -> Any:
+    """The one msgpack value the file holds, arrays left as `ArrayRef`s. Iterative, so a
     hostile nesting depth is refused instead of overflowing the stack."""
     # A frame: [container, entries left, is_map, key waiting for its value]
     stack: list[list[Any]] = []
@@ -331,7 +331,7 @@ def _parse(src: _Source) -> Any:
                     hash(value)
                 except TypeError:
                     raise src.bad(f"a map key at byte {token.start} is not hashable") from None
-                if isinstance(value, _ArrayRef):
+                if isinstance(value, ArrayRef):
                     raise src.bad(f"a map key at byte {token.start} is an array")
                 frame[3] = value
             else:
@@ -344,10 +344,10 @@ def _parse(src: _Source) -> Any:
     return result
 
 
-def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
+def _chunked(node: dict[Any, Any], src: Source) -> np.ndarray:
     """The array a chunked array dict stands for, read from its pieces (flax's
     `_unchunk`)."""
-    shape, chunks = _chunked_spec(node, src)
+    shape, chunks = chunked_spec(node, src)
     out = aligned_empty(shape, chunks[0].dtype)
     flat, at = out.reshape(-1), 0
     for chunk in chunks:
@@ -356,7 +356,7 @@ def _chunked(node: dict[Any, Any], src: _Source) -> np.ndarray:
     return out
 
 
-def _chunked_spec(node: dict[Any, Any], src: _Source) -> tuple[list[int], list[_ArrayRef]]:
+def chunked_spec(node: dict[Any, Any], src: Source) -> tuple[list[int], list[ArrayRef]]:
     """The shape and pieces of a chunked array dict, validated; no data read."""
 
     def ordered(entry: Any, what: str) -> list[Any]:
@@ -372,7 +372,7 @@ def _chunked_spec(node: dict[Any, Any], src: _Source) -> tuple[list[int], list[_
         len(shape) > MAX_NDIM
         or not all(type(d) is int and d >= 0 for d in shape)
         or not chunks
-        or not all(isinstance(c, _ArrayRef) and len(c.shape) == 1 for c in chunks)
+        or not all(isinstance(c, ArrayRef) and len(c.shape) == 1 for c in chunks)
         or len({c.dtype for c in chunks}) != 1
         or sum(c.shape[0] for c in chunks) != math.prod(shape)
         or too_big(shape, chunks[0].dtype.itemsize)
@@ -383,12 +383,12 @@ def _chunked_spec(node: dict[Any, Any], src: _Source) -> tuple[list[int], list[_
     return shape, chunks
 
 
-def _materialize(root: Any, src: _Source) -> Any:
+def materialize(root: Any, src: Source) -> Any:
     """Reads every array. Chunked arrays are joined where flax joins them: at the root and
     at dict values reached through dicts only (flax's `_unchunk_array_leaves_in_place`)."""
-    if isinstance(root, dict) and _CHUNKED in root:
+    if isinstance(root, dict) and CHUNKED in root:
         return _chunked(root, src)
-    if isinstance(root, _ArrayRef):
+    if isinstance(root, ArrayRef):
         return _read(root, src)
     if not isinstance(root, dict | list):
         return root  # a bare scalar or string, as flax returns it
@@ -397,9 +397,9 @@ def _materialize(root: Any, src: _Source) -> Any:
         current, through_dicts = stack.pop()
         items = current.items() if isinstance(current, dict) else enumerate(current)
         for key, value in list(items):
-            if isinstance(value, _ArrayRef):
+            if isinstance(value, ArrayRef):
                 current[key] = _read(value, src)
-            elif through_dicts and isinstance(value, dict) and _CHUNKED in value:
+            elif through_dicts and isinstance(value, dict) and CHUNKED in value:
                 current[key] = _chunked(value, src)
             elif isinstance(value, dict | list):
                 stack.append((value, through_dicts and isinstance(value, dict)))
@@ -412,152 +412,7 @@ def _materialize(root: Any, src: _Source) -> Any:
     return root
 
 
-def _read(ref: _ArrayRef, src: _Source) -> np.ndarray:
+def _read(ref: ArrayRef, src: Source) -> np.ndarray:
     out = aligned_empty(ref.shape, ref.dtype)
     src.read_into(ref.offset, out)
     return out
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [float(p) if _SIGNED_FLOAT.match(p) else p for p in _SIGNED_FLOAT.split(name)]
-
-
-def _is_orbax(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, m)) for m in _ORBAX_MARKERS)
-
-
-def _orbax_error(path: str) -> CheckpointFormatError:
-    return CheckpointFormatError(
-        f"{path} is an Orbax checkpoint directory, not a flax msgpack checkpoint (flax writes "
-        "Orbax by default). Read it with eqx_train.interop.load_orbax_checkpoint, or convert "
-        "it with `eqx-train convert-orbax`."
-    )
-
-
-def _latest(directory: str, prefix: str) -> str:
-    pattern = f"{prefix}*"
-    names = [
-        name
-        for name in os.listdir(directory)
-        if pathlib.PurePath(name).match(pattern)
-        and name != f"{prefix}tmp"
-        and not name.endswith("_gda")
-        and ".orbax-checkpoint-tmp" not in name
-    ]
-    if not names:
-        raise FileNotFoundError(
-            f"load_flax_checkpoint: {directory} holds no checkpoint named '{prefix}<step>'."
-        )
-    # The last of the natural sort, as flax: among equal steps (checkpoint_1, checkpoint_01)
-    # the one listed last.
-    return os.path.join(directory, sorted(names, key=_natural_key)[-1])
-
-
-def _walk_arrays(root: Any, src: _Source) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """(shape, dtype) of every array and number of a parsed file, by dotted name, in file
-    order; no array data is read."""
-    found: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    stack: list[tuple[str, Any]] = [("", root)]
-    while stack:
-        name, node = stack.pop()
-        if isinstance(node, _ArrayRef):
-            found[name or "<root>"] = (node.shape, node.dtype)
-        elif isinstance(node, dict) and _CHUNKED in node:
-            shape, chunks = _chunked_spec(node, src)
-            found[name or "<root>"] = (tuple(shape), chunks[0].dtype)
-        elif isinstance(node, dict | list):
-            items = node.items() if isinstance(node, dict) else enumerate(node)
-            children = [(f"{name}.{key}" if name else str(key), value) for key, value in items]
-            stack.extend(reversed(children))
-        elif isinstance(node, bool | int | float | complex | np.generic):
-            found[name or "<root>"] = ((), np.asarray(node).dtype)
-    return found
-
-
-def flax_arrays(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """The arrays (and numbers, as 0-d) of one flax msgpack checkpoint file, by dotted name:
-    its structure only, no array data read. For `eqx-train inspect`."""
-
-    def bad(why: str) -> CheckpointFormatError:
-        return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
-
-    file = LocalSource(path, bad)
-    try:
-        if file.size == 0:
-            raise bad("it is empty")
-        src = _Source(file, file.size, bad)
-        return _walk_arrays(_parse(src), src)
-    finally:
-        file.close()
-
-
-def looks_like_flax(path: str) -> bool:
-    """Whether a file starts as flax's msgpack files do: a msgpack map (its state dict)."""
-    try:
-        file = LocalSource(path, CheckpointFormatError)  # never blocks on a FIFO
-    except (OSError, CheckpointFormatError):
-        return False
-    try:
-        if file.size == 0:
-            return False
-        first = bytearray(1)
-        file.read_into(memoryview(first), 0)
-    finally:
-        file.close()
-    return 0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)
-
-
-def load_flax_checkpoint(path: str | os.PathLike[str], *, prefix: str = "checkpoint_") -> Any:
-    """Reads a checkpoint written by `flax.training.checkpoints.save_checkpoint`, without flax.
-
-    Returns what flax's `restore_checkpoint(path, None)` returns, bit for bit: flax's state
-    dict of the saved tree, i.e. nested dicts (lists, tuples, TrainStates and optax states all
-    became dicts keyed by field name or by '0', '1', ...) whose leaves are NumPy arrays,
-    NumPy scalars and Python scalars. Arrays are writable, 64-byte aligned and independent
-    of each other; bfloat16 and float8 arrays have ml_dtypes' dtypes.
-
-    **Arguments:**
-
-    - `path`: a checkpoint file, or a directory: then the latest file named `prefix<step>`
-      in it, picked as flax picks it.
-    - `prefix`: the file name prefix, as given to flax's `save_checkpoint`.
-
-    **Returns:**
-
-    The restored state dict.
-
-    Raises `FileNotFoundError` when there is no such file (or no checkpoint in the
-    directory), and `eqx_train.checkpoints.CheckpointFormatError`, naming the file, when it
-    is not a flax msgpack checkpoint: truncated, corrupt, an Orbax directory, or crafted
-    (unknown extension types, nesting deeper than 200, sizes larger than the file, object
-    dtypes). Nothing is allocated for a size before the file is known to hold it.
-
-    **Differences from flax:** flax returns read-only arrays that share one buffer per array
-    extension and returns `None` for a missing directory; this raises instead. Multi-process
-    arrays (flax's `save_checkpoint_multiprocess` with a tensorstore side directory) are
-    refused.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        if _is_orbax(path):
-            raise _orbax_error(path)
-        path = _latest(path, prefix)
-        if os.path.isdir(path):
-            raise _orbax_error(path)
-
-    def bad(why: str) -> CheckpointFormatError:
-        return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")
-
-    try:
-        file = LocalSource(path, bad)  # opened without blocking; regular files only
-    except FileNotFoundError:
-        raise FileNotFoundError(f"load_flax_checkpoint: {path} does not exist.") from None
-    try:
-        if file.size == 0:
-            raise bad("it is empty")
-        src = _Source(file, file.size, bad)
-        tree = _materialize(_parse(src), src)
-        src.finish()
-        return tree
-    finally:
-        file.close()

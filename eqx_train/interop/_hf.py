@@ -35,6 +35,7 @@ from ..checkpoints.engine import (
     Tensor,
     short,
 )
+from ..checkpoints.engine import Casting, Rename
 
 # huggingface_hub's decimal units, and the binary ones transformers also accepts.
 _SIZE_UNITS = {
@@ -235,32 +236,37 @@ def load_sharded(
     target: Any = None,
     *,
     strict: bool = True,
+    rename: Rename = None,
+    casting: Casting = "no",
+    filter_spec: Any = None,
     verify: bool = True,
     parallel: bool = True,
 ) -> Any:
-    """Loads a directory in the Hugging Face layout (written by `save_sharded`,
+    """Loads weights in the Hugging Face layout (written by `save_sharded`,
     `huggingface_hub`, `transformers`' `save_pretrained(safe_serialization=True)`, or one
     `safetensors` file named `model.safetensors`).
 
-    Matching works exactly as in `restore_checkpoint`: same `strict` rules, same errors
-    listing every mismatched leaf, and `jax.Array` / `jax.ShapeDtypeStruct` target leaves
-    come back with the target's sharding. Every shard's header is read and checked against
-    the index first; tensor data is read only from the shards that hold the tensors needed.
+    Matching is `restore_checkpoint`'s own: the same `strict`, `rename`, `casting` and
+    `filter_spec`, the same errors listing every mismatched leaf, and `jax.Array` /
+    `jax.ShapeDtypeStruct` target leaves come back with the target's sharding;
+    `plan_restore` on the same path shows what it will do. Every shard's header is read and
+    checked against the index first; tensor data is read only from the shards that hold the
+    tensors needed.
 
     **Arguments:**
 
     - `directory`: the directory holding `model.safetensors` or
       `model.safetensors.index.json` and its shards (when both exist, `model.safetensors`
-      wins, as in `transformers`).
+      wins, as in `transformers`), or either file itself.
     - `target`: a pytree to fill (an Equinox model, dicts...), matched by dotted key path;
       or None. With None, a directory `save_sharded` wrote comes back as saved (nested
       dicts, lists and tuples of NumPy arrays); one written by another tool, which has no
       tree description, as nested dicts split on `.` (`{"layers": {"0": {"weight": ...}}}`),
       or a flat `{name: array}` dict when the names do not nest (as `restore_checkpoint`
       does for such files).
-    - `strict`: every array leaf of `target` must be in the directory with its shape and
-      dtype, and nothing else may be (default); with False, missing leaves keep the
-      target's value and extra tensors are ignored.
+    - `strict`, `rename`, `casting`, `filter_spec`: as for `restore_checkpoint` (a model
+      whose names, dtype or size differ from the saved one's: see
+      [When the model changed](../changed_model.md)).
     - `verify`: check each tensor against the checksum `save_sharded` recorded (files from
       other tools have none).
     - `parallel`: read large tensors with several threads.
@@ -274,10 +280,27 @@ def load_sharded(
     `FileNotFoundError` if neither file is there; `CheckpointFormatError` naming the file
     for a corrupt shard or a hostile index (a file name with `/` or `..`, a tensor mapped to
     a shard that lacks it, a shard holding tensors the index does not list, a missing
-    shard, a shard from another save); `ValueError` listing every mismatch with `target`.
+    shard, a shard from another save) and for weights of another kind (naming the call that
+    reads them); `ValueError` listing every mismatch with `target`.
     """
-    directory = os.fspath(directory)
-    with engine.open_reader(_LOCAL, engine.Location(directory, "hf")) as reader:
-        return engine.restore_from(
-            reader, target, strict=strict, parallel=parallel, verify=verify, caller="load_sharded"
+    caller = "load_sharded"
+    options = engine.RestoreOptions(
+        strict=strict,
+        rename=rename,
+        casting=casting,
+        filter_spec=filter_spec,
+        verify=verify,
+        parallel=parallel,
+    ).check(caller, target)
+    path = os.fspath(directory)
+    found = engine.locate(_LOCAL, path)
+    if found is None:
+        raise FileNotFoundError(f"{caller}: {path} does not exist.")
+    if found.layout in ("directory", "shards"):
+        raise FileNotFoundError(
+            f"{caller}: {path} holds neither {HF_SINGLE_NAME} nor {HF_INDEX_NAME}"
+            + (" (it is an eqx_train .shards checkpoint: read it with restore_checkpoint)."
+               if found.layout == "shards" else ".")
         )
+    with engine.open_reader(_LOCAL, found) as reader:
+        return engine.restore_with(reader, target, options, caller)

@@ -513,6 +513,9 @@ def load_orbax_checkpoint(
     *,
     item: str | None = None,
     strict: bool = True,
+    rename: engine.Rename = None,
+    casting: engine.Casting = "no",
+    filter_spec: Any = None,
 ) -> Any:
     """Reads an Orbax PyTree checkpoint, without orbax (through tensorstore).
 
@@ -536,9 +539,9 @@ def load_orbax_checkpoint(
       target's sharding; non-array leaves are kept from the target.
     - `item`: the item of a `CheckpointManager` step to read (required when the step has
       several).
-    - `strict`: as in `restore_checkpoint`: every array leaf of `target` must be in the
-      checkpoint with its shape and dtype, and nothing else may be (default); with False,
-      missing leaves keep the target's value and extra arrays are ignored.
+    - `strict`, `rename`, `casting`, `filter_spec`: as for `restore_checkpoint`, for a
+      target whose names, dtypes or size differ from the saved tree's (`plan_restore` on
+      the same path shows what a load will do).
 
     **Returns:**
 
@@ -560,15 +563,12 @@ def load_orbax_checkpoint(
     **Differences from orbax:** no `restore_args`/transforms; orbax's custom type handlers
     and the pre-0.5 format (a `checkpoint` msgpack file, no `_METADATA`) are refused.
     """
+    caller = "load_orbax_checkpoint"
+    options = engine.RestoreOptions(
+        strict=strict, rename=rename, casting=casting, filter_spec=filter_spec, verify=False
+    ).check(caller, target)
     directory = resolve(os.fspath(path), item)
     with OrbaxReader(directory) as reader:
         if target is None:
             return reader.tree()
-        return engine.restore_from(
-            reader,
-            target,
-            strict=strict,
-            parallel=True,
-            verify=False,
-            caller="load_orbax_checkpoint",
-        )
+        return engine.restore_with(reader, target, options, caller)

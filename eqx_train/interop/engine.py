@@ -4,7 +4,7 @@ Not public API (undocumented, may change in any release): `eqx-train` imports th
 from here so that it never reaches into a private module. Users want `eqx_train.interop`.
 """
 
-from ._flax import flax_arrays as flax_arrays, looks_like_flax as looks_like_flax
+from ._flax_load import flax_arrays as flax_arrays, looks_like_flax as looks_like_flax
 from ._orbax import OrbaxReader as OrbaxReader
 from ._orbax_layout import (
     describe as describe_orbax,

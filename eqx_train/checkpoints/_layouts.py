@@ -1,0 +1,246 @@
+"""What a path holds, decided in one place for `restore_checkpoint`, `plan_restore`,
+`CheckpointManager.restore`, `eqx_train.interop.load_sharded` and `eqx-train`: one of our
+layouts (a checkpoint file, a `.shards` directory, a Hugging Face `model.safetensors` or
+sharded index, given as the directory or the file), a directory of checkpoints, or weights
+we do not read here (flax msgpack, Orbax, a PyTorch pickle), refused naming what they are
+and the call that reads them.
+
+Foreign layouts are sniffed only where our own reading found nothing (an empty listing) or
+failed (a header that is not safetensors): recognising our own checkpoints costs nothing
+more than before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+from . import _names
+from ._errors import CheckpointFormatError, short
+from ._format import FileReader
+from ._hf_layout import IndexReader
+from ._shards import ShardedReader
+from ._storage import Storage
+
+Layout = Literal["file", "shards", "hf", "directory"]
+Foreign = Literal["flax", "orbax", "torch", "hf-index", "json", "safetensors"]
+
+_SNIFF_BYTES = 16
+_INDEX_SUFFIX = ".index.json"
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+_ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "checkpoint")
+_TORCH_HOW = (
+    "load it with torch.load(path, weights_only=True) and pass the state dict to "
+    "eqx_train.interop.from_state_dict(target, state_dict)"
+)
+_HOW: dict[str, str] = {
+    "flax": (
+        "read it with eqx_train.interop.load_flax_checkpoint (it takes the same target, "
+        "strict, rename, casting and filter_spec), or convert it with `eqx-train convert-flax`"
+    ),
+    "orbax": (
+        "read it with eqx_train.interop.load_orbax_checkpoint (it takes the same target, "
+        "strict, rename, casting and filter_spec), or convert it with `eqx-train convert-orbax`"
+    ),
+    "torch": _TORCH_HOW,
+}
+
+
+class Location(NamedTuple):
+    """A path and what it holds (a directory listing's `Entry` says the same of a listed
+    checkpoint). For `"hf"`, the path is the file to read: `model.safetensors` or the index."""
+
+    path: str
+    layout: Layout
+
+
+class ForeignCheckpointError(CheckpointFormatError):
+    """`path` holds weights that this call does not read (`kind`: flax msgpack, Orbax, a
+    PyTorch pickle...); the message names the call that reads them."""
+
+    def __init__(self, path: str, kind: Foreign, what: str, how: str = ""):
+        self.path, self.kind, self.what = path, kind, what
+        how = how or _HOW.get(kind, "")
+        super().__init__(f"{path} is {what}, not an eqx_train or safetensors checkpoint" + (
+            f": {how}." if how else "."
+        ))
+
+
+def hf_file(directory: str) -> str | None:
+    """The file of a local Hugging Face directory: `model.safetensors` when present (as
+    `transformers` prefers it), else its index; None when it holds neither."""
+    single = os.path.join(directory, _names.HF_SINGLE_NAME)
+    if os.path.isfile(single):
+        return single
+    index = os.path.join(directory, _names.HF_INDEX_NAME)
+    return index if os.path.lexists(index) else None
+
+
+def locate(store: Storage, path: str) -> Location | None:
+    """What `path` holds: a checkpoint file, a committed `.shards` directory, a Hugging Face
+    directory or index file (local), or else any other directory (of checkpoints, say); None
+    if nothing is there. Each question is asked once (on an object store, one request)."""
+    if store.is_dir(path):
+        if store.is_file(store.join(path, _names.INDEX_NAME)):
+            return Location(path, "shards")
+        found = hf_file(path) if store.is_local else None
+        return Location(found, "hf") if found else Location(path, "directory")
+    if not store.exists(path):
+        return None
+    return Location(path, "hf" if path.endswith(_INDEX_SUFFIX) else "file")
+
+
+def open_reader(store: Storage, entry: Any) -> Any:
+    """The reader of the checkpoint `entry` (from a listing, or `locate`), by its layout;
+    `ForeignCheckpointError` for a file that turns out to hold weights of another kind."""
+    if entry.layout == "shards":
+        return ShardedReader(store, entry.path)
+    if entry.layout == "hf" and entry.path.endswith(".json"):
+        if not store.is_local:
+            raise ForeignCheckpointError(
+                entry.path,
+                "hf-index",
+                "a Hugging Face index of sharded weights on an object store",
+                "its shards are read from a local directory only: download it (e.g. "
+                "huggingface_hub.snapshot_download) and pass the local directory",
+            )
+        directory, name = os.path.split(entry.path)
+        return IndexReader(directory or ".", name)
+    if entry.layout in ("file", "hf"):
+        try:
+            return FileReader(entry.path, store.open(entry.path))
+        except CheckpointFormatError:
+            # A safetensors header can start with any byte: sniff only once it failed.
+            foreign = sniff_file(store, entry.path)
+            if foreign is not None:
+                raise foreign from None
+            raise
+    raise ValueError(f"{entry.path} is not a checkpoint (it holds a {entry.layout} layout)")
+
+
+def sniff_file(store: Storage, path: str) -> ForeignCheckpointError | None:
+    """What a file that is not safetensors holds, from its first bytes, if we know it."""
+    try:
+        source = store.open(path)
+    except (OSError, CheckpointFormatError):
+        return None
+    try:
+        head = bytearray(min(_SNIFF_BYTES, source.size))
+        source.read_into(memoryview(head), 0)
+    finally:
+        source.close()
+    if head[:4] == b"PK\x03\x04":
+        return ForeignCheckpointError(
+            path, "torch", "a zip archive (what torch.save writes; NumPy's .npz is one too)",
+            _TORCH_HOW + " (or numpy.load for an .npz)",
+        )
+    if len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return ForeignCheckpointError(path, "torch", "a Python pickle (PyTorch's legacy format)")
+    if head and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
+        return ForeignCheckpointError(path, "flax", "a flax msgpack checkpoint")
+    if head.lstrip()[:1] == b"{":
+        return ForeignCheckpointError(
+            path,
+            "json",
+            "a JSON file",
+            f"a Hugging Face index of sharded weights is read when its name ends in "
+            f"'{_INDEX_SUFFIX}' (as {_names.HF_INDEX_NAME}), or pass its directory",
+        )
+    return None
+
+
+def is_orbax(path: str) -> bool:
+    """Whether a local directory is one Orbax PyTree checkpoint (the markers flax uses)."""
+    return any(os.path.lexists(os.path.join(path, m)) for m in _ORBAX_MARKERS)
+
+
+def _subdirectories(path: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    return [os.path.join(path, n) for n in names if os.path.isdir(os.path.join(path, n))]
+
+
+def _orbax_within(path: str) -> bool:
+    """An Orbax checkpoint, a `CheckpointManager` step of items, or a run of steps."""
+    if is_orbax(path):
+        return True
+    return any(
+        is_orbax(child) or any(is_orbax(item) for item in _subdirectories(child))
+        for child in _subdirectories(path)
+    )
+
+
+def _kind(found: ForeignCheckpointError | None) -> str | None:
+    return None if found is None else found.kind
+
+
+def foreign_directory(store: Storage, path: str, prefix: str) -> Location | None:
+    """For a directory with no checkpoint of ours in it: the Hugging Face file to read from
+    it (on an object store), or `ForeignCheckpointError` naming the weights it holds and the
+    call that reads them; None when it holds no weights (a new run's directory)."""
+    if not store.is_local:
+        single = store.join(path, _names.HF_SINGLE_NAME)
+        if store.exists(single):
+            return Location(single, "hf")
+        index = store.join(path, _names.HF_INDEX_NAME)
+        return Location(index, "hf") if store.exists(index) else None
+    if _orbax_within(path):
+        raise ForeignCheckpointError(path, "orbax", "a directory of Orbax checkpoints")
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    files = [
+        n
+        for n in names
+        if not n.startswith(".")
+        and _names.parse_temp(n) is None
+        and os.path.isfile(os.path.join(path, n))
+    ]
+    torch = [n for n in files if n.endswith(_TORCH_SUFFIXES)]
+    if torch:
+        raise ForeignCheckpointError(
+            path, "torch", f"a directory of PyTorch pickles ({short(torch[:3])})"
+        )
+    flax = [
+        n
+        for n in files
+        if n.startswith(prefix)
+        and not n.endswith(".safetensors")
+        and _kind(sniff_file(store, os.path.join(path, n))) == "flax"
+    ]
+    if flax:
+        raise ForeignCheckpointError(
+            path, "flax", f"a directory of flax msgpack checkpoints ({short(flax[:3])})"
+        )
+    other = [n for n in files if n.endswith(".safetensors")]
+    if other:
+        raise ForeignCheckpointError(
+            path,
+            "safetensors",
+            f"a directory of safetensors files none of which is named "
+            f"'{prefix}<step>.safetensors' ({short(other[:3])})",
+            "pass the file to restore from, or the prefix it was saved with",
+        )
+    return None
+
+
+# Readers of the layouts the interop layer reads (flax msgpack, Orbax), registered by
+# `eqx_train.interop._readers` when it is imported: `plan_restore` plans them through the
+# same matcher without the checkpoint package importing the layer above it.
+FOREIGN_READERS: dict[str, Callable[[str, str], Any]] = {}
+_FOREIGN_READERS_MODULE = "eqx_train.interop._readers"
+
+
+def foreign_reader(kind: str, path: str, prefix: str) -> tuple[str, Any] | None:
+    """(the call that reads `path`, its reader) for a flax or Orbax path; None otherwise."""
+    if kind not in ("flax", "orbax"):
+        return None
+    if kind not in FOREIGN_READERS:
+        importlib.import_module(_FOREIGN_READERS_MODULE)
+    call = "load_flax_checkpoint" if kind == "flax" else "load_orbax_checkpoint"
+    return call, FOREIGN_READERS[kind](path, prefix)
