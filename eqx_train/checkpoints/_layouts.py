@@ -63,9 +63,10 @@ class ForeignCheckpointError(CheckpointFormatError):
     def __init__(self, path: str, kind: Foreign, what: str, how: str = ""):
         self.path, self.kind, self.what = path, kind, what
         how = how or _HOW.get(kind, "")
-        super().__init__(f"{path} is {what}, not an eqx_train or safetensors checkpoint" + (
-            f": {how}." if how else "."
-        ))
+        super().__init__(
+            f"{path} is {what}, not an eqx_train or safetensors checkpoint"
+            + (f": {how}." if how else ".")
+        )
 
 
 def hf_file(directory: str) -> str | None:
@@ -133,7 +134,9 @@ def sniff_file(store: Storage, path: str) -> ForeignCheckpointError | None:
         source.close()
     if head[:4] == b"PK\x03\x04":
         return ForeignCheckpointError(
-            path, "torch", "a zip archive (what torch.save writes; NumPy's .npz is one too)",
+            path,
+            "torch",
+            "a zip archive (what torch.save writes; NumPy's .npz is one too)",
             _TORCH_HOW + " (or numpy.load for an .npz)",
         )
     if len(head) > 2 and head[0] == 0x80 and 2 <= head[1] <= 5:

@@ -121,9 +121,7 @@ def plan_restore(
     try:
         entry, _ = _restore._resolve(store, where, step, prefix)
         if entry is None:
-            raise FileNotFoundError(
-                f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}')."
-            )
+            raise FileNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
         call, reader = "restore_checkpoint", _restore.open_reader(store, entry)
     except _layouts.ForeignCheckpointError as error:
         foreign = _layouts.foreign_reader(error.kind, error.path, prefix)

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import closing
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
 RESTORE_ATTEMPTS = 5
+
 
 @runtime_checkable
 class Reader(Protocol):

@@ -34,6 +34,15 @@ from ._format import (
     write_file as write_file,
 )
 from ._hf_layout import IndexReader as IndexReader
+from ._layouts import (
+    FOREIGN_READERS as FOREIGN_READERS,
+    ForeignCheckpointError as ForeignCheckpointError,
+    Location as Location,
+    hf_file as hf_file,
+    is_orbax as is_orbax,
+    locate as locate,
+    open_reader as open_reader,
+)
 from ._matching import Casting as Casting, Rename as Rename
 from ._names import (
     FORMAT_KEY as FORMAT_KEY,
@@ -57,15 +66,6 @@ from ._names import (
     parse_temp as parse_temp,
     step_from_text as step_from_text,
     writer_is_dead as writer_is_dead,
-)
-from ._layouts import (
-    FOREIGN_READERS as FOREIGN_READERS,
-    ForeignCheckpointError as ForeignCheckpointError,
-    Location as Location,
-    hf_file as hf_file,
-    is_orbax as is_orbax,
-    locate as locate,
-    open_reader as open_reader,
 )
 from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
 from ._restore import (

@@ -20,8 +20,6 @@ buffer; the chunks of a chunked array land in one buffer with no concatenation.
 from __future__ import annotations
 
 import math
-import os
-import pathlib
 import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +33,6 @@ import numpy as np
 from ..checkpoints.engine import (
     MAX_DEPTH,
     MAX_NDIM,
-    CheckpointFormatError,
-    LocalSource,
     aligned_empty,
     short,
     too_big,

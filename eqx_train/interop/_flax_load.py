@@ -22,7 +22,7 @@ from ..checkpoints.engine import (
     is_orbax,
     restore_with,
 )
-from ._flax import CHUNKED, ArrayRef, chunked_spec, materialize, parse, Source
+from ._flax import CHUNKED, ArrayRef, Source, chunked_spec, materialize, parse
 
 _SIGNED_FLOAT = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)")
 

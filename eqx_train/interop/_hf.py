@@ -32,10 +32,11 @@ from ..checkpoints.engine import (
     HF_SAVE_KEY,
     HF_SHARD_PATTERN,
     HF_SINGLE_NAME,
+    Casting,
+    Rename,
     Tensor,
     short,
 )
-from ..checkpoints.engine import Casting, Rename
 
 # huggingface_hub's decimal units, and the binary ones transformers also accepts.
 _SIZE_UNITS = {
@@ -299,8 +300,11 @@ def load_sharded(
     if found.layout in ("directory", "shards"):
         raise FileNotFoundError(
             f"{caller}: {path} holds neither {HF_SINGLE_NAME} nor {HF_INDEX_NAME}"
-            + (" (it is an eqx_train .shards checkpoint: read it with restore_checkpoint)."
-               if found.layout == "shards" else ".")
+            + (
+                " (it is an eqx_train .shards checkpoint: read it with restore_checkpoint)."
+                if found.layout == "shards"
+                else "."
+            )
         )
     with engine.open_reader(_LOCAL, found) as reader:
         return engine.restore_with(reader, target, options, caller)
