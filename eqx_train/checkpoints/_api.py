@@ -448,8 +448,11 @@ def restore_checkpoint(
 
     **Arguments:**
 
-    - `ckpt_dir`: a checkpoint file or `.shards` directory, or a directory of checkpoints
-      (then the latest checkpoint, or `step`).
+    - `ckpt_dir`: a checkpoint file or `.shards` directory, a directory of checkpoints
+      (then the latest checkpoint, or `step`), or Hugging Face weights: the directory,
+      `model.safetensors` or `model.safetensors.index.json`. Weights of another kind (flax
+      msgpack, Orbax, a PyTorch pickle) raise `CheckpointFormatError` naming the call that
+      reads them.
     - `target`: a pytree to fill: dicts, Equinox modules, a `TrainState`... Array leaves are
       read from the file by their key path; non-array leaves (activation functions, static
       fields) are kept from `target`. `jax.Array` leaves come back with the target's sharding;
@@ -509,8 +512,8 @@ def restore_checkpoint(
 
     **Returns:**
 
-    The restored pytree. If `ckpt_dir` does not exist, or holds no checkpoint and `step` is
-    None, `target` is returned unchanged (as flax does).
+    The restored pytree. If `ckpt_dir` does not exist, or is a directory holding no weights
+    and `step` is None, `target` is returned unchanged (as flax does).
 
     **Raises:**
 
