@@ -112,7 +112,7 @@ def map_array_leaves_batched(fn: Callable[[list[Any]], list[Any]], tree: Any) ->
     return jtu.tree_unflatten(treedef, leaves)
 
 
-def place_like(values: Any, like: Any) -> Any:
+def place_like(values: Any, like: Any, *, copy: bool = False) -> Any:
     """`values` (a NumPy or JAX array of `like`'s shape and dtype) placed exactly as the target
     leaf `like` is, so that jitted code cannot tell the two apart: the same sharding, the
     same committedness and the same weak type.
@@ -128,16 +128,17 @@ def place_like(values: Any, like: Any) -> Any:
       default device, as `jnp.asarray` places it.
 
     Not for NumPy targets (they stay NumPy) nor arrays over several processes (read block
-    by block).
+    by block). With `copy`, a `jax.Array` `values` already placed so is copied, not returned.
     """
+    alias = False if copy else None
     sharding = getattr(like, "sharding", None)
     if sharding is not None and isinstance(like, jax.Array) and not like.committed:
         (device,) = sharding.device_set  # an uncommitted array lives on one device
         # Without a device, `device_put` places on the default device, uncommitted; the
         # weak type's conversion must run there too (it would go to the default device).
         with jax.default_device(device):
-            return weak_like(like, jax.device_put(values))
-    placed = jax.device_put(values) if sharding is None else jax.device_put(values, sharding)
+            return weak_like(like, jax.device_put(values, may_alias=alias))
+    placed = jax.device_put(values, sharding, may_alias=alias)
     return weak_like(like, placed)
 
 
