@@ -148,7 +148,8 @@ def _other_leaf(x: Any) -> Any:
     every element differs from `x`'s bit for bit; other leaves as they are."""
     if _is_key(x):
         data = _flipped(np.asarray(jax.random.key_data(x)))
-        return place_like(jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)), x)
+        key = jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x))
+        return place_like(key, x)
     if isinstance(x, jax.Array):
         return place_like(_flipped(np.asarray(x)), x)
     if isinstance(x, np.ndarray):
