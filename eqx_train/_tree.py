@@ -112,6 +112,36 @@ def map_array_leaves_batched(fn: Callable[[list[Any]], list[Any]], tree: Any) ->
     return jtu.tree_unflatten(treedef, leaves)
 
 
+def place_like(values: Any, like: Any, *, copy: bool = False) -> Any:
+    """`values` (a NumPy or JAX array of `like`'s shape and dtype) placed exactly as the target
+    leaf `like` is, so that jitted code cannot tell the two apart: the same sharding, the
+    same committedness and the same weak type.
+
+    - `like` committed (placed with a device or sharding, or the output of a computation on
+      committed arrays), or a `jax.ShapeDtypeStruct` with a sharding: committed to that
+      sharding.
+    - `like` uncommitted (`jnp.zeros(())`, `jnp.asarray(x)`, anything made without a device
+      or sharding): uncommitted on its device, as `jnp.asarray` would have made it. A
+      committed copy would refuse to meet arrays on other devices in one `jit` ("incompatible
+      devices") and make jitted functions compile again.
+    - `like` without a sharding (a `ShapeDtypeStruct` without one): uncommitted on the
+      default device, as `jnp.asarray` places it.
+
+    Not for NumPy targets (they stay NumPy) nor arrays over several processes (read block
+    by block). With `copy`, a `jax.Array` `values` already placed so is copied, not returned.
+    """
+    alias = False if copy else None
+    sharding = getattr(like, "sharding", None)
+    if sharding is not None and isinstance(like, jax.Array) and not like.committed:
+        (device,) = sharding.device_set  # an uncommitted array lives on one device
+        # Without a device, `device_put` places on the default device, uncommitted; the
+        # weak type's conversion must run there too (it would go to the default device).
+        with jax.default_device(device):
+            return weak_like(like, jax.device_put(values, may_alias=alias))
+    placed = jax.device_put(values, sharding, may_alias=alias)
+    return weak_like(like, placed)
+
+
 def weak_like(leaf: Any, restored: Any) -> Any:
     """`restored` with the weak type of the target `leaf`: a `jax.Array` made from a Python
     number (`eqx.nn.BatchNorm`'s batch counter, `jnp.array(0)`) is weakly typed, and a

@@ -33,7 +33,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import as_weak, is_state, path_to_name, state_entries, weak_like
+from .._tree import as_weak, is_state, path_to_name, place_like, state_entries
 from ._errors import short
 from ._names import RESERVED_TENSOR_NAMES
 
@@ -146,11 +146,6 @@ def _wrap_key(array: np.ndarray, impl: Any) -> Any:
     return jax.random.wrap_key_data(jnp.asarray(array), impl=impl)
 
 
-def _place(array: Any, like: Any) -> Any:
-    sharding = getattr(like, "sharding", None)
-    return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
-
-
 def _place_key(data: np.ndarray, like: Any) -> Any:
     """The typed key array of key data `data`, placed as the target key `like`."""
     impl = key_impl(like)
@@ -160,7 +155,7 @@ def _place_key(data: np.ndarray, like: Any) -> Any:
         # every process builds its own blocks from the same host data.
         wrap = functools.partial(jax.random.wrap_key_data, impl=impl)
         return jax.jit(wrap, out_shardings=sharding)(data)
-    return _place(_wrap_key(data, impl), like)
+    return place_like(_wrap_key(data, impl), like)
 
 
 def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
@@ -201,7 +196,7 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
         lambda x: isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct),
         lambda x: x,
         _rebuild_array,
-        lambda leaf, a: a if isinstance(leaf, np.ndarray) else weak_like(leaf, _place(a, leaf)),
+        lambda leaf, a: a if isinstance(leaf, np.ndarray) else place_like(a, leaf),
     ),
     LeafKind(
         "numpy_scalar",

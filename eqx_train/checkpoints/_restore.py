@@ -28,8 +28,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
+from .._tree import weak_like
 from . import _directory, _matching, _names, _read_once, _selection
-from ._description import LeafKind, rebuild, weak_like
+from ._description import LeafKind, rebuild
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
 from ._layouts import Location, foreign_directory, locate, open_reader
@@ -407,9 +408,12 @@ def settle_placed(placed: Sequence[Any]) -> None:
 
 def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:
     """Read device by device (each device's block only) rather than whole: for an array
-    target whose sharding spans processes, or any sharded target of a `.shards` layout."""
+    target whose sharding spans processes, or any sharded target of a `.shards` layout. An
+    uncommitted target (one device) is read whole, and placed uncommitted as it is."""
     sharding = getattr(leaf, "sharding", None)
     if kind.name != "array" or sharding is None or isinstance(leaf, np.ndarray):
+        return False
+    if isinstance(leaf, jax.Array) and not leaf.committed:
         return False
     return isinstance(reader, ShardedReader) or not sharding.is_fully_addressable
 

@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import ml_dtypes
 import numpy as np
 
-from .._tree import path_to_name
+from .._tree import path_to_name, place_like
 from ..checkpoints.engine import is_prng_key, short
 
 _T = TypeVar("_T")
@@ -228,8 +228,7 @@ def _fill(leaf: Any, value: np.ndarray) -> Any:
         return value
     if isinstance(leaf, np.generic):
         return value[()]
-    sharding = getattr(leaf, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+    return place_like(value, leaf)
 
 
 @overload

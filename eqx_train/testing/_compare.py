@@ -78,7 +78,7 @@ def show(x: Any) -> str:
             values = np.asarray(x)
         if isinstance(x, jax.Array):
             weak = "" if _is_key(x) else f" weak_type={x.weak_type}"
-            head += f"{weak} sharding={x.sharding}"
+            head += f"{weak} sharding={x.sharding} committed={x.committed}"
         text = f"{head} {np.array2string(values, threshold=20, edgeitems=2)}"
     elif is_node(x):
         text = f"{type(x).__qualname__} {x!r}"
@@ -184,6 +184,10 @@ def _array_difference(
     if isinstance(a, jax.Array):
         if not a.sharding.is_equivalent_to(b.sharding, a.ndim):
             return f"sharding differs: {a.sharding} vs {b.sharding}"
+        if a.committed != b.committed:
+            # An uncommitted array follows the others into a jitted computation; a committed
+            # one on another device refuses to meet them ("incompatible devices").
+            return f"committedness differs: committed={a.committed} vs committed={b.committed}"
         if weak_type and not _is_key(a) and a.weak_type != b.weak_type:
             return f"weak type differs: weak_type={a.weak_type} vs weak_type={b.weak_type}"
     if _is_key(a):
@@ -339,8 +343,11 @@ def assert_trees_equal(a: Any, b: Any, *, rtol: float | int = 0, atol: float | i
     Compared, node by node: the structure (node types, dict keys and their order, static
     fields of Equinox modules); each leaf's kind (a `jax.Array`, a NumPy array, a NumPy
     scalar, a Python scalar, a typed PRNG key, `None`); for array leaves their dtype,
-    shape, sharding and weak type (where both are `jax.Array`s; shardings are equal when
-    they place every element on the same devices, `Sharding.is_equivalent_to`) and values;
+    shape, sharding, committedness and weak type (where both are `jax.Array`s; shardings
+    are equal when they place every element on the same devices,
+    `Sharding.is_equivalent_to`; `x.committed` says whether an array was placed on its
+    devices explicitly, as opposed to `jnp.zeros(())`, which jitted code may move) and
+    values;
     for Python scalars their type and value; typed keys by implementation and key data;
     any other leaf (a function, a string) with `==`.
 

@@ -7,7 +7,7 @@ import os
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -16,10 +16,13 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import checkpoints
-from .._tree import flatten_with_names, path_to_name
-from ._compare import difference_message, is_node, show
+from .._tree import flatten_with_names, path_to_name, place_like
+from ._compare import difference_message, show
 
 __all__ = ["assert_checkpoint_roundtrip", "assert_resumes_exactly"]
+
+_T = TypeVar("_T")
+_Batch = TypeVar("_Batch")
 
 
 @contextlib.contextmanager
@@ -127,21 +130,112 @@ def _check_as_saved(tree: Any, as_saved: Any, filter_spec: Any, path: str) -> No
         )
 
 
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flipped(values: np.ndarray) -> np.ndarray:
+    """Every element with every bit flipped (booleans negated): no element keeps its bits,
+    whatever the dtype (-0.0, NaN payloads, bfloat16, float8 included)."""
+    values = np.array(values, order="C")  # a copy; `~` makes a 0-d array a scalar
+    if values.dtype == np.bool_:
+        return np.asarray(~values)
+    return np.asarray(~values.view(np.dtype(f"u{values.dtype.itemsize}"))).view(values.dtype)
+
+
+def _other_leaf(x: Any) -> Any:
+    """An array leaf of the same kind, dtype, shape, placement and weak type as `x`, whose
+    every element differs from `x`'s bit for bit; other leaves as they are."""
+    if _is_key(x):
+        data = _flipped(np.asarray(jax.random.key_data(x)))
+        key = jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x))
+        return place_like(key, x)
+    if isinstance(x, jax.Array):
+        return place_like(_flipped(np.asarray(x)), x)
+    if isinstance(x, np.ndarray):
+        return _flipped(x)
+    if isinstance(x, np.generic):
+        return _flipped(np.asarray(x))[()]
+    return x  # Python scalars are configuration: restored from the target, not the file
+
+
+def _other_values(tree: _T, filter_spec: Any) -> tuple[_T, set[int]]:
+    """`tree` with every array leaf that a restore fills (those `filter_spec` selects)
+    replaced by one whose bits all differ (`_other_leaf`), and the ids of those leaves. A
+    zero-size array holds no element that could differ: a restore that left it alone would
+    return that very object, which the ids catch."""
+    if filter_spec is None:
+        chosen, rest = tree, None
+    else:
+        chosen, rest = eqx.partition(tree, filter_spec)
+    other = jtu.tree_map(_other_leaf, chosen)
+    if rest is not None:
+        other = eqx.combine(other, rest)
+    ids = {id(x) for x in jtu.tree_leaves(other) if x is not None and _saved_form(x) is not None}
+    ids -= {id(x) for x in jtu.tree_leaves(tree)}  # kept as they are (Python scalars...)
+    return other, ids
+
+
+def _abstract(tree: _T) -> _T:
+    """`tree` as an abstract target: each `jax.Array` a `jax.ShapeDtypeStruct` of its dtype,
+    shape and weak type, with its sharding when it is committed and without one when it is
+    an uncommitted array on the default device (which is where an abstract leaf without a
+    sharding is placed); an uncommitted array elsewhere, and NumPy leaves, stay as they are
+    (no `ShapeDtypeStruct` says either)."""
+    default = next(iter(jax.device_put(np.zeros(())).devices()))
+
+    def abstract(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if not x.committed and x.sharding.device_set != {default}:
+            return x
+        sharding = x.sharding if x.committed else None
+        weak = False if _is_key(x) else x.weak_type
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
+
+    return jtu.tree_map(abstract, tree)
+
+
+def _restored_difference(restored: Any, tree: Any, other_ids: set[int]) -> str | None:
+    """How `restored` differs from `tree`, the tree saved, or holds one of the target's own
+    leaves `other_ids` (a leaf never read from the file); None if it does neither."""
+    message = difference_message(restored, tree, names=("restored", "saved"))
+    if message is not None:
+        return message
+    found = jtu.tree_flatten_with_path(restored)[0]
+    kept = [jtu.keystr(p) or "<root>" for p, leaf in found if id(leaf) in other_ids]
+    if kept:
+        return (
+            f"the leaf at {kept[0]} is the target's own array, not one read from the file "
+            f"({len(kept)} such leaves; this is the first)"
+        )
+    return None
+
+
 def assert_checkpoint_roundtrip(
-    tree: Any, directory: str | os.PathLike[str] | None = None, **save_options: Any
-) -> Any:
+    tree: _T, directory: str | os.PathLike[str] | None = None, **save_options: Any
+) -> _T:
     """Asserts that `tree` survives a checkpoint: saved, then restored, it is the same tree.
 
     Saves `tree` with `eqx_train.checkpoints.save_checkpoint` (as a step newer than any
     already in `directory`, keeping the others unless `keep` is given), then:
 
-    1. restores it into `tree` and asserts the result equals `tree` as
-       `assert_trees_equal` compares them: structure, leaf kinds, dtypes, shapes,
-       shardings, bits, the Python configuration of Equinox modules, and weak types
-       (a restore returns leaves jitted code cannot tell from the target's);
-    2. restores it with `target=None` and asserts that every saved leaf comes back under
+    1. restores it into a target of `tree`'s structure and placement whose every array
+       leaf differs from `tree`'s in every bit (so a leaf the restore never fills shows;
+       a zero-size array, which has no bits to differ, must not come back as the target's
+       own object), and asserts the result equals `tree` as `assert_trees_equal` compares
+       them: structure, leaf kinds, dtypes, shapes, shardings, committedness, bits, the
+       Python configuration of Equinox modules, and weak types (a restore returns leaves
+       jitted code cannot tell from the target's);
+    2. restores it into that target made abstract (`jax.ShapeDtypeStruct`s: with the
+       sharding of a committed array, without one for an uncommitted array on the default
+       device) and asserts the same;
+    3. restores it with `target=None` and asserts that every saved leaf comes back under
        the same dotted name with the same dtype, shape, weak type and bits (typed keys: the
        same implementation and key data), and that nothing else does.
+
+    A tree without array leaves (`()`, `None`, `{}`, a module of configuration) passes
+    when it comes back equal.
 
     **Arguments:**
 
@@ -154,7 +248,7 @@ def assert_checkpoint_roundtrip(
 
     **Returns:**
 
-    The tree restored into `tree`: a new tree, never `tree` itself.
+    The tree restored into the first target (step 1), equal to `tree`.
 
     **Raises:**
 
@@ -171,42 +265,35 @@ def assert_checkpoint_roundtrip(
     assert restored is not model
     ```
     """
+    law = "assert_checkpoint_roundtrip"
     restore_options = _restore_options(save_options)
+    filter_spec = save_options.get("filter_spec")
+    target, other_ids = _other_values(tree, filter_spec)
+    abstract = _abstract(target)
     with _directory(directory) as where:
         path = _save(where, tree, save_options)
-        restored = checkpoints.restore_checkpoint(path, tree, **restore_options)
+        restored = checkpoints.restore_checkpoint(path, target, **restore_options)
+        from_abstract = checkpoints.restore_checkpoint(path, abstract, **restore_options)
         # As saved: the filter_spec (which only a target's leaves take) already chose them.
         as_saved_options = {k: v for k, v in restore_options.items() if k != "filter_spec"}
         as_saved = checkpoints.restore_checkpoint(path, None, **as_saved_options)
-    # A node or an array must come back as a new object; None or a Python scalar may be
-    # the very same object (they are immutable, and small ints are shared).
-    if restored is tree and (isinstance(tree, np.ndarray | jax.Array) or is_node(tree)):
-        raise AssertionError(
-            f"assert_checkpoint_roundtrip: restoring {path} returned the target itself, not a "
-            "restored tree (was nothing saved?)."
-        )
-    message = difference_message(
-        restored,
-        tree,
-        names=("restored", "saved"),
-    )
-    if message is not None:
-        raise AssertionError(
-            f"assert_checkpoint_roundtrip: restoring {path} into the tree: {message}"
-        )
-    _check_as_saved(tree, as_saved, save_options.get("filter_spec"), path)
+    for into, got in (("the tree", restored), ("an abstract tree", from_abstract)):
+        message = _restored_difference(got, tree, other_ids)
+        if message is not None:
+            raise AssertionError(f"{law}: restoring {path} into {into}: {message}")
+    _check_as_saved(tree, as_saved, filter_spec, path)
     return restored
 
 
 def _copy_leaf(x: Any) -> Any:
     if isinstance(x, jax.Array):
-        return jax.device_put(x, x.sharding, may_alias=False)
+        return place_like(x, x, copy=True)  # committed or not, as `x` is
     if isinstance(x, np.ndarray):
         return x.copy()
     return x
 
 
-def _copy(tree: Any) -> Any:
+def _copy(tree: _T) -> _T:
     """A copy of `tree` whose array buffers are its own: a step that donates its input
     cannot delete the arrays of `state` or of the other run."""
     return jtu.tree_map(_copy_leaf, tree)
@@ -237,9 +324,9 @@ def _where(i: int, split_at: int) -> str:
 
 
 def assert_resumes_exactly(
-    step: Callable[[Any, Any], Any],
-    state: Any,
-    batches: Iterable[Any],
+    step: Callable[[_T, _Batch], object],
+    state: _T,
+    batches: Iterable[_Batch],
     *,
     split_at: int,
     directory: str | os.PathLike[str] | None = None,
@@ -248,9 +335,11 @@ def assert_resumes_exactly(
     exactly as the uninterrupted run: the law behind resuming a preempted job.
 
     Runs `step(state, batch)` over all `batches` twice, side by side: once straight
-    through, once with a save after `split_at` steps (`save_checkpoint`), a restore with
-    the initial `state` as target (`restore_checkpoint(path, state)`, as a restarted job
-    restores into the state it builds), and the rest. After
+    through, once with a save after `split_at` steps (`save_checkpoint`), a restore into a
+    target like the initial `state` (as a restarted job restores into the state it builds:
+    the same structure and placement, but every array leaf differing in every bit, so that
+    a leaf the restore leaves unfilled shows even when the steps never change it), and the
+    rest. After
     every step, asserts that both runs' states (and outputs, when `step` returns them) are
     bit-identical as `assert_trees_equal` compares them, with weak types compared under
     `assert_checkpoint_roundtrip`'s rule; the restored state is also compared with the one
@@ -309,8 +398,9 @@ def assert_resumes_exactly(
         for i in range(len(batches) + 1):
             if i == split_at:
                 path = _save(where, resumed, {})
-                restored = checkpoints.restore_checkpoint(path, state)
-                message = difference_message(restored, resumed, names=("restored", "saved"))
+                target, other_ids = _other_values(state, None)
+                restored = checkpoints.restore_checkpoint(path, target)
+                message = _restored_difference(restored, resumed, other_ids)
                 if message is not None:
                     raise AssertionError(
                         f"assert_resumes_exactly: the state restored from {path} after "
