@@ -6,17 +6,20 @@ NumPy `Generator` into a checkpoint."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh
-from jaxtyping import Array, ArrayLike, Float, Int, Key, PyTree
+from jaxtyping import Array, ArrayLike, Float, Int, Key
 
 from ._tree import is_array, map_array_leaves_batched, map_arrays_with_path, path_to_name
 from .jax_utils import _batch_sharding, _pad_rows, unreplicate
+
+# A pytree's type, kept by the functions that return a pytree of the same structure.
+T = TypeVar("T")
 
 __all__ = [
     "get_metrics",
@@ -30,7 +33,7 @@ __all__ = [
 ]
 
 
-def shard(xs: PyTree, num_devices: int | None = None) -> PyTree:
+def shard(xs: T, num_devices: int | None = None) -> T:
     """Splits the leading (batch) axis of every array leaf into `(devices, batch // devices)`.
 
     **Arguments:**
@@ -69,12 +72,12 @@ def shard(xs: PyTree, num_devices: int | None = None) -> PyTree:
 
 
 def shard_to_mesh(
-    xs: PyTree,
+    xs: T,
     mesh: Mesh,
     batch_axis: str | Sequence[str] | None = None,
     *,
     pad: bool = False,
-) -> PyTree:
+) -> T:
     """Places a host batch on `mesh`, its leading axis split over `batch_axis`: `shard` for
     the mesh track.
 
@@ -158,7 +161,7 @@ def shard_prng_key(prng_key: Key[Array, ""] | ArrayLike, num_devices: int | None
     return jax.random.split(jnp.asarray(prng_key), num=count)
 
 
-def stack_forest(forest: Sequence[PyTree]) -> PyTree:
+def stack_forest(forest: Sequence[T]) -> T:
     """Stacks a sequence of same-structured pytrees into one pytree of stacked leaves.
 
     **Arguments:**
@@ -207,7 +210,7 @@ def stack_forest(forest: Sequence[PyTree]) -> PyTree:
     return jax.tree.unflatten(first_structure, stacked)
 
 
-def get_metrics(device_metrics: Sequence[PyTree]) -> PyTree:
+def get_metrics(device_metrics: Sequence[T]) -> T:
     """Gathers per-step, replicated device metrics into host NumPy arrays stacked over time.
 
     **Arguments:**

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 __all__ = ["DynamicScale"]
+
+# `value_and_grad` keeps `fun`'s signature; the gradients have the type of its first argument
+# (the Equinox convention, as `eqx.filter_grad`).
+_X = TypeVar("_X")
+_Args = ParamSpec("_Args")
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 _FLOAT32_TINY = float(jnp.finfo(jnp.float32).tiny)
@@ -111,11 +116,11 @@ class DynamicScale(eqx.Module):
 
     def value_and_grad(
         self,
-        fun: Callable[..., Any],
+        fun: Callable[Concatenate[_X, _Args], Any],
         *,
         has_aux: bool = False,
         axis_name: Any = None,
-    ) -> Callable[..., tuple[DynamicScale, Bool[Array, ""], Any, PyTree]]:
+    ) -> Callable[Concatenate[_X, _Args], tuple[DynamicScale, Bool[Array, ""], Any, _X]]:
         """Returns a function computing `fun`'s value and its loss-scaled gradients.
 
         Like `eqx.filter_value_and_grad`: gradients are taken with respect to the first
@@ -162,7 +167,7 @@ class DynamicScale(eqx.Module):
             value = (loss, aux) if has_aux else loss
             return self._update(is_finite), is_finite, value, grads
 
-        return wrapped
+        return cast(Any, wrapped)
 
     def _update(self, is_finite: Bool[Array, ""]) -> DynamicScale:
         """The next scale and finite-step count after a step that was `is_finite`."""

@@ -17,7 +17,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,9 @@ _AXIS = "devices"
 
 #: `jax.Device` (pyright cannot use JAX's alias of it as a type).
 Device = Any
+# A pytree's type, kept by functions that return a pytree of the same structure (the
+# Equinox convention: `eqx.filter` returns the model's type with leaves replaced).
+T = TypeVar("T")
 
 
 def _device_axis_sharding(devices: Sequence[Device]) -> NamedSharding:
@@ -51,7 +54,7 @@ def _device_axis_sharding(devices: Sequence[Device]) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(_AXIS))
 
 
-def replicate(tree: PyTree, devices: Sequence[Device] | None = None) -> PyTree:
+def replicate(tree: T, devices: Sequence[Device] | None = None) -> T:
     """Returns `tree` with a leading device axis on every array leaf, one replica per device.
 
     The result is laid out as `jax.pmap` expects (replica `i` lives on `devices[i]`), so
@@ -167,7 +170,7 @@ def _unreplicate_all(leaves: list[Any]) -> list[Any]:
     return results
 
 
-def unreplicate(tree: PyTree) -> PyTree:
+def unreplicate(tree: T) -> T:
     """Returns one replica of a replicated pytree: element 0 of every array leaf's first axis.
 
     The replica is read from the device that holds it (`addressable_shards[0]`), never via
@@ -187,7 +190,7 @@ def unreplicate(tree: PyTree) -> PyTree:
     return map_array_leaves_batched(_unreplicate_all, tree)
 
 
-def pmean(xs: PyTree, axis_name: Any) -> PyTree:
+def pmean(xs: T, axis_name: Any) -> T:
     """`jax.lax.pmean(xs, axis_name)`: the mean of `xs` over a named mapped axis.
 
     Kept for flax users (flax's version emits a `DeprecationWarning`; this one does not).
@@ -197,10 +200,10 @@ def pmean(xs: PyTree, axis_name: Any) -> PyTree:
 
 
 def prefetch_to_device(
-    iterator: Iterable[PyTree],
+    iterator: Iterable[T],
     size: int,
     devices: Sequence[Device] | jax.sharding.Sharding | None = None,
-) -> Iterator[PyTree]:
+) -> Iterator[T]:
     """Yields the batches of `iterator` already placed on device, keeping `size` in flight.
 
     **Arguments:**
@@ -226,11 +229,11 @@ def prefetch_to_device(
     else:
         sharding = _device_axis_sharding(list(jax.local_devices() if devices is None else devices))
 
-    def place(batch: PyTree) -> PyTree:
+    def place(batch: T) -> T:
         return map_array_leaves_batched(lambda leaves: jax.device_put(leaves, sharding), batch)
 
     source = iter(iterator)
-    queue: collections.deque[PyTree] = collections.deque(
+    queue: collections.deque[T] = collections.deque(
         place(batch) for batch in itertools.islice(source, size)
     )
     while queue:
@@ -254,7 +257,7 @@ def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def fsdp_sharding(tree: PyTree, mesh: Mesh, axis: str = "model") -> PyTree:
+def fsdp_sharding(tree: T, mesh: Mesh, axis: str = "model") -> T:
     """Returns FSDP-style shardings for `tree`: each array split along one dimension over `axis`.
 
     Every array leaf gets a `NamedSharding(mesh, spec)` that splits its largest dimension
@@ -510,7 +513,7 @@ def _input_dependent_outputs(jaxpr: Any, dependent_inputs: Sequence[bool]) -> li
 
 def partial_eval_by_shape(
     fn: Callable[..., Any], input_spec: Iterable[Any], *args: Any, **kwargs: Any
-) -> PyTree:
+) -> Any:
     """Evaluates `fn` knowing only the shapes of its first inputs, like `jax.eval_shape`, but
     returns concrete values for every output that does not depend on those inputs.
 

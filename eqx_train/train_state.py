@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, overload
 
 import equinox as eqx
 import jax
@@ -12,16 +12,35 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Int, PyTree
+from typing_extensions import TypeVar
 
 from ._tree import leaves_with_names
 
 __all__ = ["TrainState"]
 
-# What `create`, `replace` and `apply_gradients` return: the class they were called on (a
-# TypeVar rather than `typing.Self`, which run-time checkers refuse outside their own
-# decorated classes).
-_State = TypeVar("_State", bound="TrainState")
+
+class _AnyModel(Any):
+    """The model type of a `TrainState` written without one (`TrainState`, or a subclass of
+    it): as permissive as `Any`, but a type of its own, so that `create` can tell "called on
+    the bare class" (infer the model's type from `model=`) from "called on a subclass that
+    fixed it" (return that subclass)."""
+
+
+# The model's type: `TrainState[eqx.nn.MLP]` has `state.model: eqx.nn.MLP`. Covariant (a
+# state is immutable), so a `TrainState[eqx.nn.MLP]` is a `TrainState[eqx.Module]`.
+M = TypeVar("M", covariant=True, default=_AnyModel)
+_Model = TypeVar("_Model")  # the model passed to `create` on the bare class
+# What `create`, `replace` and `apply_gradients` return: the class they were called on, with
+# its model type (a TypeVar rather than `typing.Self`, which run-time checkers refuse
+# outside their own decorated classes).
+_State = TypeVar("_State", bound="TrainState[Any]")
 _MISSING: Any = object()  # `create`'s `model` when omitted (None is a valid pytree)
+# `trainable`: a filter function, or a filter_spec pytree of bools and filter functions
+# (checked as such at run time; a type checker sees jaxtyping's `PyTree` as unknown).
+if TYPE_CHECKING:
+    _Trainable: TypeAlias = Callable[[Any], bool] | Any
+else:
+    _Trainable = Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]]
 
 
 def _describe_mismatch(grads: PyTree, params: PyTree) -> str:
@@ -91,7 +110,7 @@ def _trainable_mask(trainable: Any, model: PyTree) -> PyTree:
         ) from None
 
 
-class TrainState(eqx.Module):
+class TrainState(eqx.Module, Generic[M]):
     """A training state for the common case of one model and one Optax optimiser.
 
     The Equinox counterpart of `flax.training.train_state.TrainState`. It is a pytree, so it
@@ -132,6 +151,10 @@ class TrainState(eqx.Module):
     state = train_step(state, jnp.ones((4, 2)), jnp.zeros((4, 2)))
     assert int(state.step) == 1
     ```
+
+    **Typed code:** `TrainState` is generic in its model: `TrainState.create(model=mlp,
+    tx=tx)` is a `TrainState[eqx.nn.MLP]` for a type checker, so `state.model` keeps the
+    model's type through `apply_gradients` and `replace` (see the API page's "Typed code").
 
     **Subclassing:** add fields for anything else the loop carries (batch statistics, an EMA
     copy of the model) and pass them to `create` as keyword arguments:
@@ -196,24 +219,48 @@ class TrainState(eqx.Module):
     """
 
     step: Int[Array, ""]
-    model: PyTree
-    opt_state: PyTree
+    model: M
+    opt_state: optax.OptState
     tx: optax.GradientTransformation = eqx.field(static=True)
-    trainable: Callable[[Any], bool] | PyTree[bool | Callable[[Any], bool]] = eqx.field(static=True)
+    trainable: _Trainable = eqx.field(static=True)
 
     def __check_init__(self) -> None:
         _check_tx_and_filter(self.tx, self.trainable)
 
+    # Called on the bare class, `create` infers the model's type from `model=`
+    # (`TrainState.create(model=mlp, tx=tx)` is a `TrainState[eqx.nn.MLP]`); called on a
+    # subclass, or with a subclass's extra fields, it returns that class. A type checker
+    # cannot solve a class's type parameter from a classmethod's arguments, hence the two.
+    @overload
+    @classmethod
+    def create(
+        cls: type[TrainState[_AnyModel]],
+        *,
+        model: _Model,
+        tx: optax.GradientTransformation,
+        trainable: _Trainable = eqx.is_inexact_array,
+    ) -> TrainState[_Model]: ...
+
+    @overload
     @classmethod
     def create(
         cls: type[_State],
         *,
-        model: PyTree = _MISSING,
+        model: Any = _MISSING,
         tx: optax.GradientTransformation,
-        trainable: Callable[[Any], bool]
-        | PyTree[bool | Callable[[Any], bool]] = eqx.is_inexact_array,
+        trainable: _Trainable = eqx.is_inexact_array,
         **kwargs: Any,
-    ) -> _State:
+    ) -> _State: ...
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: Any = _MISSING,
+        tx: optax.GradientTransformation,
+        trainable: _Trainable = eqx.is_inexact_array,
+        **kwargs: Any,
+    ) -> Any:
         """Returns a new state with `step=0` and `opt_state = tx.init(trainable leaves)`.
 
         **Arguments:**
@@ -227,7 +274,8 @@ class TrainState(eqx.Module):
 
         **Returns:**
 
-        A `TrainState` (or the subclass `create` was called on).
+        A `TrainState[type of model]`, or the subclass `create` was called on (see "Typed
+        code" above for what a type checker infers).
 
         **Raises:**
 
@@ -286,11 +334,11 @@ class TrainState(eqx.Module):
         return new
 
     @property
-    def params(self) -> PyTree:
+    def params(self) -> M:
         """The model, under the name flax users know (`state.params`)."""
         return self.model
 
-    def apply_gradients(self: _State, *, grads: PyTree, **kwargs: Any) -> _State:
+    def apply_gradients(self: _State, *, grads: Any, **kwargs: Any) -> _State:
         """Returns a new state with `tx` applied to `grads` and `step + 1`.
 
         Runs `tx.update(grads, opt_state, params)` then `optax.apply_updates`, exactly as flax

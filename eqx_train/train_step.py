@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -13,14 +13,20 @@ from jaxtyping import PyTree
 
 __all__ = ["jit_step", "pmap_step"]
 
+# The step keeps `fn`'s signature: its first argument is the array part of the state, which
+# Equinox types as the state itself (`eqx.partition` returns two trees of its type).
+_State = TypeVar("_State")
+_Args = ParamSpec("_Args")
+_Out = TypeVar("_Out")
+
 
 def jit_step(
-    fn: Callable[..., Any],
-    static: PyTree,
+    fn: Callable[Concatenate[_State, _Args], _Out],
+    static: Any,
     *,
     has_aux: bool = False,
     donate: bool = True,
-) -> Callable[..., Any]:
+) -> Callable[Concatenate[_State, _Args], _Out]:
     """Compiles `fn(state, *args)` into a step over the array part of `state` only.
 
     `eqx.filter_jit` re-partitions the whole state in Python on every call; on a small model
@@ -43,6 +49,8 @@ def jit_step(
 
     `step(arrays, *args, **kwargs) -> new_arrays` (or `(new_arrays, aux)`). Recombine with
     `eqx.combine(new_arrays, static)` when the full state is needed (to checkpoint or evaluate).
+    For a type checker `step` has `fn`'s signature: `arrays` is typed as the state, as
+    Equinox types the halves of `eqx.partition`.
 
     **Example:**
 
@@ -76,18 +84,18 @@ def jit_step(
     activation function, a different optimiser), because the loop could not carry it.
     """
     traced = _rebuild_and_check(fn, static, has_aux, caller="jit_step")
-    return jax.jit(traced, donate_argnums=(0,) if donate else ())
+    return cast(Any, jax.jit(traced, donate_argnums=(0,) if donate else ()))
 
 
 def pmap_step(
-    fn: Callable[..., Any],
-    static: PyTree,
+    fn: Callable[Concatenate[_State, _Args], _Out],
+    static: Any,
     *,
     axis_name: Hashable = "batch",
     has_aux: bool = False,
     donate: bool = True,
     devices: Sequence[Any] | None = None,
-) -> Callable[..., Any]:
+) -> Callable[Concatenate[_State, _Args], _Out]:
     """`jit_step`'s twin for the pmap track: compiles `fn(state, *args)` with `jax.pmap` over
     the array part of a replicated state.
 
@@ -151,9 +159,10 @@ def pmap_step(
     Raises `ValueError` at trace time if `fn` changes the non-array part of the state.
     """
     traced = _rebuild_and_check(fn, static, has_aux, caller="pmap_step")
-    return jax.pmap(
+    pmapped = jax.pmap(
         traced, axis_name=axis_name, donate_argnums=(0,) if donate else (), devices=devices
     )
+    return cast(Any, pmapped)
 
 
 def _rebuild_and_check(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 if TYPE_CHECKING:
     import jax
@@ -425,6 +425,48 @@ def available_steps(
 
 
 # ------------------------------------------------------------------------------------ restore
+
+
+# For a type checker: the target's type comes back; with `target=None`, the tree as saved
+# (nested dicts, lists and tuples, or None when there is no checkpoint), hence `Any`.
+@overload
+def restore_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: None,
+    step: _names.Step | None = None,
+    prefix: str = "checkpoint_",
+    parallel: bool = True,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
+    rename: _matching.Rename = None,
+    casting: _matching.Casting = "no",
+    replica_parallel: bool = True,
+) -> Any: ...
+
+
+@overload
+def restore_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    target: T,
+    step: _names.Step | None = None,
+    prefix: str = "checkpoint_",
+    parallel: bool = True,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
+    config: _selection.Config = "target",
+    filter_spec: Any = None,
+    rename: _matching.Rename = None,
+    casting: _matching.Casting = "no",
+    replica_parallel: bool = True,
+) -> T: ...
 
 
 def restore_checkpoint(

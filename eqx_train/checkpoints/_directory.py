@@ -46,6 +46,7 @@ def list_checkpoints(store: Storage, ckpt_dir: str, prefix: str) -> list[Entry]:
     Among names of the same step (an older version spelled 1.0 what is now 1), the canonical
     spelling sorts last, so it is the one `[-1]` picks.
     """
+    found: list[Entry] = []  # _LISTING_ATTEMPTS >= 1 scans replace it
     for _ in range(_LISTING_ATTEMPTS):
         found, vanished = _scan(store, ckpt_dir, prefix)
         if not vanished:
