@@ -15,6 +15,7 @@ from eqx_train.checkpoints import (
     CheckpointManager,
     UnreadableCheckpointWarning,
 )
+from tests.test_checkpoints_integrity import edit_header, reseal
 from tests.test_checkpoints_multiprocess import FIXTURE, _run_job
 
 
@@ -119,3 +120,21 @@ def test_a_checkpoint_written_before_pieces_were_bound_still_restores(tmp_path):
     np.testing.assert_array_equal(
         restored["rep"], np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + 5, strict=True
     )
+
+
+def test_an_index_resealed_to_cite_another_saves_piece_by_its_own_name_is_refused(tmp_path):
+    """The piece keeps its own name and the index is edited (checksums redone) to cite it."""
+    for step in (1, 2):
+        checkpoints.save_checkpoint_multiprocess(tmp_path, {"w": np.full(4, step)}, step, keep=2)
+    stranger = _piece(tmp_path / "checkpoint_1.shards", 0)
+    mine = _piece(tmp_path / "checkpoint_2.shards", 0)
+    shutil.copyfile(stranger, mine.parent / stranger.name)
+
+    def cite_stranger(header):
+        meta = header["__metadata__"]
+        meta["eqx_train.arrays"] = meta["eqx_train.arrays"].replace(mine.name, stranger.name)
+        reseal(meta)
+
+    edit_header(mine.parent / "index.safetensors", cite_stranger)
+    with pytest.raises(CheckpointFormatError, match=re.escape(stranger.name)):
+        _restore_as_saved(tmp_path / "checkpoint_2.shards")

@@ -132,17 +132,6 @@ def validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict
     return raw
 
 
-def check_cited_save(
-    arrays: dict[str, dict[str, Any]], save: str, bad: Callable[[str], Exception]
-) -> None:
-    """Every piece file an index of save `save` cites is named with that save's token."""
-    for entry in arrays.values():
-        for piece in entry["pieces"]:
-            token = (parse_piece_file(piece["file"]) or (None, None))[1]
-            if token != save:
-                raise bad(f"it is of save {short(save)} but cites the piece file {piece['file']}")
-
-
 def _check_tiling(
     boxes: list[list[list[int]]], where: str, bad: Callable[[str], Exception]
 ) -> None:
@@ -190,8 +179,6 @@ class ShardedReader(ReaderBase):
             # The save every piece must belong to; None in an index written before saves
             # were bound to their pieces (those pieces are trusted by name, as then).
             self._save = self.metadata.get(SAVE_KEY)
-            if self._save is not None:
-                check_cited_save(self._arrays, self._save, self.bad)
             # Locally, open (and so pin) every piece file now: an overwrite that commits
             # meanwhile cannot pull them away, and each header is checked against the index.
             # On an object store each open is a request: pieces are opened (and checked)
@@ -258,9 +245,9 @@ class ShardedReader(ReaderBase):
         copied under the name the index cites: before any of its bytes are used."""
         if self._save is None:
             return
-        process = (parse_piece_file(name) or (None, None))[0]  # the index checked the name
+        process, token = parse_piece_file(name) or (None, None)  # the index checked it
         own = (reader.metadata.get(SAVE_KEY), reader.metadata.get(PROCESS_KEY))
-        if own != (self._save, str(process)):
+        if token != self._save or own != (self._save, str(process)):
             raise self.bad(
                 f"the piece file {name} is not the piece it cites: the index is of save "
                 f"{self._save} and cites it as process {process}'s piece, but the file says "
