@@ -23,29 +23,43 @@ if TYPE_CHECKING:
 
 __all__ = ["checkpoint_dir", "cpu_mesh"]
 
+# The most CPU devices `--cpu-devices` gives: XLA starts 1024 in about two seconds, while
+# 4096 take over ten and 100000 stall the session without a word (10**8 abort it).
+_MAX_CPU_DEVICES = 1024
+
+
+def _device_count(text: str) -> int:
+    """`--cpu-devices`'s value: a count in ASCII digits from 1 to `_MAX_CPU_DEVICES` (not
+    `int()`, which also reads "+1", " 1", "1_0" and every script's digits)."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= _MAX_CPU_DEVICES:
+        raise pytest.UsageError(
+            f"--cpu-devices {text!r}: give a number of CPU devices from 1 to "
+            f"{_MAX_CPU_DEVICES}, in digits."
+        )
+    return int(text)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("eqx_train", "eqx_train.testing")
     group.addoption(
         "--cpu-devices",
-        type=int,
+        type=str,
         default=None,
         metavar="N",
         help=(
-            "run JAX with N CPU devices (sets jax_num_cpu_devices once the root conftest.py "
-            "files are imported, so it overrides a value they set; JAX must not have run "
-            "anything yet)"
+            f"run JAX with N CPU devices, 1 <= N <= {_MAX_CPU_DEVICES} (sets "
+            "jax_num_cpu_devices once the root conftest.py files are imported, so it overrides "
+            "a value they set; JAX must not have run anything yet)"
         ),
     )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    count = config.getoption("cpu_devices", None)
-    if count is None:
+    text = config.getoption("cpu_devices", None)
+    if text is None:
         return
-    if count < 1:
-        raise pytest.UsageError(f"--cpu-devices {count}: give a number of devices >= 1.")
+    count = _device_count(text)
     import jax
 
     try:
@@ -60,8 +74,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    count = config.getoption("cpu_devices", None)
-    return None if count is None else f"eqx_train.testing: {count} CPU devices (--cpu-devices)"
+    text = config.getoption("cpu_devices", None)
+    return None if text is None else f"eqx_train.testing: {text} CPU devices (--cpu-devices)"
 
 
 @pytest.fixture

@@ -394,6 +394,17 @@ elif mode == "rp_save":  # save step 5, restore it at once; DIR/checkpoint_5.sha
     print(f"READ {pid} {rp_restore(path, 5, **rp_options)}", flush=True)
     if other is not None:  # and again, each process reading all the blocks it holds
         print(f"READ_ALL {pid} {rp_restore(path, 5, replica_parallel=False)}", flush=True)
+elif mode == "bind_save":  # steps 1 and 2 in DIR, and step 2 of another run in OTHER
+    for where, step, value in [(directory, 1, 100), (directory, 2, 200), (other, 2, 300)]:
+        tree = global_tree(value, mesh_1d, P("d"))
+        checkpoints.save_checkpoint_multiprocess(where, tree, step, keep=2, timeout_s=60)
+elif mode == "bind_restore":  # DIR holds a piece of another save: every process refuses it
+    try:
+        checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d")))
+    except checkpoints.CheckpointFormatError as error:
+        print(f"REFUSED {pid} {error}", flush=True)
+    else:
+        raise AssertionError("a piece of another save was restored")
 elif mode == "rp_manager":  # a manager with replica_parallel=False: the layout of before
     manager = checkpoints.CheckpointManager(directory, replica_parallel=False, timeout_s=60)
     manager.save(5, rp_tree(5))

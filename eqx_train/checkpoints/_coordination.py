@@ -375,7 +375,7 @@ def _arrivals(client: Any, arrived_dir: str) -> dict[int, str]:
     found: dict[int, str] = {}
     for key, value in client.key_value_dir_get(arrived_dir):
         index = key.rpartition("/")[2]
-        if index.isdigit():
+        if index.isascii() and index.isdigit():
             found[int(index)] = value
     return found
 

@@ -406,7 +406,9 @@ class FileReader(ReaderBase):
                 f"it has eqx_train format version {short(version)}; this eqx_train reads "
                 f"version {FORMAT_VERSION}"
             )
-            if version.isdigit() and int(version) > FORMAT_VERSION:
+            # ASCII digits only: `isdigit()` also accepts "²" (which `int()` refuses) and
+            # every script's digits ("١"), none of which a writer of this format spells.
+            if version.isascii() and version.isdigit() and int(version) > FORMAT_VERSION:
                 raise NewerFormatError(
                     f"{self.path} was written by a newer eqx_train: {why}. Upgrade eqx_train "
                     "to read it (a checkpoint manager neither skips nor moves it; if no newer "

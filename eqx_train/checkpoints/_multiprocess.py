@@ -366,9 +366,15 @@ def write_and_commit(
                 raise planned
             pieces, where = planned
             store.makedirs(final_dir)
+            # The piece names its save and its writer, so that a reader can tell it from a
+            # piece of any other save (or process) copied under the name the index cites.
+            piece_metadata = {
+                PIECES_KEY: json.dumps(where),
+                _names.SAVE_KEY: token,
+                _names.PROCESS_KEY: str(process),
+            }
             store.atomic_write(
-                own_piece,
-                lambda out: _format.write_file(out, pieces, {PIECES_KEY: json.dumps(where)}),
+                own_piece, lambda out: _format.write_file(out, pieces, piece_metadata)
             )
             status = "ok"
         except Exception as error:  # reported to the others, then raised here
@@ -405,6 +411,7 @@ def write_and_commit(
             index_metadata = {
                 **metadata,
                 _names.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
+                _names.SAVE_KEY: token,
             }
             try:
                 store.atomic_write(

@@ -55,6 +55,10 @@ CHECKSUMS_KEY = "eqx_train.checksums"
 CHECKSUM_ALGORITHM = "xxh3_64"
 ARRAYS_KEY = "eqx_train.arrays"  # a .shards index: every array's shape, dtype and pieces
 PIECES_KEY = "eqx_train.pieces"  # a piece file: each of its tensors' leaf and slice
+# The save's token, in every file of one save: a .shards index and each of its piece files
+# (which also holds PROCESS_KEY, the process that wrote it), a Hugging Face save's files.
+SAVE_KEY = "eqx_train.save"
+PROCESS_KEY = "eqx_train.process"  # a piece file: its writer's process index, ASCII digits
 METRICS_KEY = "eqx_train.metrics"  # CheckpointManager.save(metrics=...)
 USER_METADATA_KEY = "eqx_train.user_metadata"  # CheckpointManager.save(metadata=...)
 OUR_KEY_PREFIX = "eqx_train."  # every key above but METADATA_KEY; others are foreign
@@ -66,7 +70,7 @@ HF_SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 HF_FORMAT_KEY = "format"  # transformers requires "pt" in every file's metadata
 HF_FORMAT_PT = "pt"
 HF_INDEX_FORMAT = "eqx_train.hf_sharded"  # FORMAT_KEY of a Hugging Face index of ours
-HF_SAVE_KEY = "eqx_train.save"  # the save token every shard of one save repeats
+HF_SAVE_KEY = SAVE_KEY  # the save token every shard of one save repeats
 HF_TREE_CHECKSUM_KEY = "eqx_train.tree_checksum"
 
 
@@ -81,16 +85,17 @@ def hf_shard_names(count: int) -> list[str]:
 
 # Canonical steps are plain decimals, or Python's shortest float spelling for tiny non-integral
 # floats ("1e-05"); earlier versions also wrote str(float) spellings such as "1.0" and "1e+16".
-_STEP = r"\d+(?:\.\d+)?(?:e[-+]\d+)?"
-_WRITER = r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)"
+# `[0-9]`, never `\d` (which matches every script's digits, and `int()` reads them).
+_STEP = r"[0-9]+(?:\.[0-9]+)?(?:e[-+][0-9]+)?"
+_WRITER = r"(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)"
 _TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}{_WRITER}-[0-9a-f]{{16}}")
 # Earlier versions named temporaries without the host: `.{final}.tmp-{pid}-{32 hex}`.
-_OLD_TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}(?P<pid>\d+)-[0-9a-f]{{32}}")
+_OLD_TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}(?P<pid>[0-9]+)-[0-9a-f]{{32}}")
 # Files written before tokens existed are `process_00000.safetensors`; they still restore.
 _PIECE = re.compile(
-    rf"process_(?P<process>\d{{5}})(?:\.(?P<token>{_WRITER}-[0-9a-f]{{16}}))?\.safetensors"
+    rf"process_(?P<process>[0-9]{{5}})(?:\.(?P<token>{_WRITER}-[0-9a-f]{{16}}))?\.safetensors"
 )
-_DONE = re.compile(rf"\.done-(?P<process>\d{{5}})\.(?P<token>{_WRITER}-[0-9a-f]{{16}})")
+_DONE = re.compile(rf"\.done-(?P<process>[0-9]{{5}})\.(?P<token>{_WRITER}-[0-9a-f]{{16}})")
 
 
 Step: TypeAlias = int | float | np.integer | np.floating

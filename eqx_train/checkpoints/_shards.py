@@ -26,7 +26,14 @@ import numpy as np
 from ._description import CODE_TO_DTYPE, parse_json
 from ._errors import short
 from ._format import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
-from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, parse_piece_file
+from ._names import (
+    ARRAYS_KEY,
+    INDEX_NAME,
+    PIECES_KEY,
+    PROCESS_KEY,
+    SAVE_KEY,
+    parse_piece_file,
+)
 from ._storage import Storage
 
 _MAX_PIECES = 1 << 20
@@ -169,6 +176,9 @@ class ShardedReader(ReaderBase):
                 raise self.bad("its index has no array table")
             self._arrays = validate_arrays(parse_json(raw, "the array table", self.bad), self.bad)
             self.metadata = self.index.metadata
+            # The save every piece must belong to; None in an index written before saves
+            # were bound to their pieces (those pieces are trusted by name, as then).
+            self._save = self.metadata.get(SAVE_KEY)
             # Locally, open (and so pin) every piece file now: an overwrite that commits
             # meanwhile cannot pull them away, and each header is checked against the index.
             # On an object store each open is a request: pieces are opened (and checked)
@@ -217,12 +227,33 @@ class ShardedReader(ReaderBase):
         if name not in self._files:
             path = self.store.join(self.path, name)
             try:
-                self._files[name] = FileReader(path, self.store.open(path))
+                reader = FileReader(path, self.store.open(path))
             except FileNotFoundError:
                 if self._index_replaced():
                     raise  # an overwrite or retention came after we opened the index: retry
                 raise self.bad(f"the piece file {name} it cites is missing") from None
+            try:
+                self._check_bound(name, reader)
+            except BaseException:
+                reader.close()
+                raise
+            self._files[name] = reader
         return self._files[name]
+
+    def _check_bound(self, name: str, reader: FileReader) -> None:
+        """Refuses a piece file that another save (or another process of this save) wrote,
+        copied under the name the index cites: before any of its bytes are used."""
+        if self._save is None:
+            return
+        process, token = parse_piece_file(name) or (None, None)  # the index checked it
+        own = (reader.metadata.get(SAVE_KEY), reader.metadata.get(PROCESS_KEY))
+        if token != self._save or own != (self._save, str(process)):
+            raise self.bad(
+                f"the piece file {name} is not the piece it cites: the index is of save "
+                f"{self._save} and cites it as process {process}'s piece, but the file says "
+                f"save {short(own[0])}, process {short(own[1])} (a piece of another save, "
+                "step or run, or of another process, copied under this name)"
+            )
 
     def check_unchanged(self) -> None:
         """Raises `ObjectReplacedError` if the index or a piece read was replaced since it

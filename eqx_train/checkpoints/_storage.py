@@ -307,7 +307,21 @@ class LocalStorage:
         return os.path.lexists(path)
 
     def makedirs(self, path: str) -> None:
+        """Creates `path` and its missing parents, then fsyncs the parent of each of them
+        and of `path` itself (which a save that died may have left unsynced): a new entry
+        survives a power loss on any POSIX file system, not only on those (ext4, XFS) that
+        order a directory's entries with the data written into it."""
+        here = os.path.abspath(path)
+        new = [here]
+        while not os.path.isdir(os.path.dirname(here)) and os.path.dirname(here) != here:
+            here = os.path.dirname(here)
+            new.append(here)
         os.makedirs(path, exist_ok=True)
+        for directory in reversed(new):
+            # The parent of a directory that existed before may be unreadable (only
+            # searchable): it was made durable by whoever created it.
+            with contextlib.suppress(PermissionError):
+                fsync_dir(os.path.dirname(directory))
 
     def start_deadline(self) -> None:
         """Local writes have no deadline: a disk that stops answering is the kernel's."""
