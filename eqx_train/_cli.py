@@ -310,7 +310,8 @@ def _parts(x: np.ndarray) -> np.ndarray:
     """A float array as `(..., 1)`; a complex one as its real and imaginary parts, `(..., 2)`."""
     if x.dtype.kind != "c":
         return x.reshape(*x.shape, 1)
-    return np.ascontiguousarray(x).reshape(-1).view(x.real.dtype).reshape(*x.shape, 2)
+    part = np.dtype(f"f{x.dtype.itemsize // 2}")
+    return np.ascontiguousarray(x).reshape(-1).view(part).reshape(*x.shape, 2)
 
 
 def _difference(
