@@ -305,16 +305,25 @@ def _verify(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ diff
 
 
+def _parts(x: np.ndarray) -> np.ndarray:
+    """A float array as `(..., 1)`; a complex one as its real and imaginary parts, `(..., 2)`."""
+    if x.dtype.kind != "c":
+        return x.reshape(*x.shape, 1)
+    part = np.dtype(f"f{x.dtype.itemsize // 2}")
+    return np.ascontiguousarray(x).reshape(-1).view(part).reshape(*x.shape, 2)
+
+
 def _difference(
     a: np.ndarray, b: np.ndarray, atol: float = 0.0, rtol: float = 0.0
 ) -> tuple[int, float]:
     """(number of differing elements, max |a - b| among them).
 
     Without a tolerance, floats compare by their bits (-0.0 differs from 0.0), except that
-    NaN equals NaN. With `atol`/`rtol`, a float element differs only when
-    `|a - b| > atol + rtol * |b|`, as `numpy.isclose` (NaN still equals NaN; an infinity
-    equals only itself). Integers and booleans always compare exactly, and their gap is
-    exact (a float64 would round away a difference of 1 between int64s near 2**62)."""
+    NaN equals NaN (for a complex, each of its parts so). With `atol`/`rtol`, a float element
+    differs only when `|a - b| > atol + rtol * |b|`, as `numpy.isclose` (NaN still equals
+    NaN; an infinity equals only itself). Integers and booleans always compare exactly, and
+    their gap is exact (a float64 would round away a difference of 1 between int64s near
+    2**62)."""
     if a.dtype.kind in "biu":
         differs = a != b
         count = int(np.count_nonzero(differs))
@@ -328,16 +337,21 @@ def _difference(
         return count, float(int((high - low).max()))
     wide = np.complex128 if a.dtype.kind == "c" else np.float64
     wide_a, wide_b = a.astype(wide), b.astype(wide)
-    both_nan = np.isnan(wide_a) & np.isnan(wide_b)
+    # Each part of a complex on its own: NaN in one part does not hide the other part.
+    nan_a, nan_b = np.isnan(_parts(wide_a)), np.isnan(_parts(wide_b))
     # inf - inf is NaN and 1.7e308 - -1.7e308 overflows to inf: both are meant.
     with np.errstate(invalid="ignore", over="ignore"):
         if atol or rtol:
+            same_parts = (nan_a & nan_b) | (_parts(wide_a) == _parts(wide_b))
+            both_nan = (nan_a & nan_b).any(axis=-1) & same_parts.all(axis=-1)
             close = np.abs(wide_a - wide_b) <= atol + rtol * np.abs(wide_b)
             differs = ~(close | (wide_a == wide_b) | both_nan)
         else:
-            bits_a = a.reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
-            bits_b = b.reshape(-1).view(np.uint8).reshape(b.size, b.dtype.itemsize)
-            differs = (bits_a != bits_b).any(axis=1).reshape(a.shape) & ~both_nan
+            part_a, part_b = _parts(a), _parts(b)
+            size = part_a.dtype.itemsize
+            bits_a = part_a.reshape(-1).view(np.uint8).reshape(*part_a.shape, size)
+            bits_b = part_b.reshape(-1).view(np.uint8).reshape(*part_b.shape, size)
+            differs = ((bits_a != bits_b).any(axis=-1) & ~(nan_a & nan_b)).any(axis=-1)
         count = int(np.count_nonzero(differs))
         if not count:
             return 0, 0.0

@@ -4,6 +4,7 @@ One test (or more) per defect of issue 11, each stating the promise it keeps.
 """
 
 import enum
+import fractions
 import json
 import os
 import subprocess
@@ -189,7 +190,7 @@ def test_errors_through_the_manager_name_the_manager(tmp_path):
     with pytest.raises(ValueError, match=r"^CheckpointManager\.save: the tensor name"):
         manager.save(1, {"__metadata__": np.ones(2)})
     with pytest.raises(TypeError, match=r"^CheckpointManager\.save: leaf 'c'"):
-        manager.save(1, {"c": np.ones(2, np.complex64)})
+        manager.save(1, {"c": np.zeros(2, "datetime64[s]")})
     with pytest.raises(ValueError, match=r"^CheckpointManager\.save: step must be >= 0"):
         manager.save(-1, TREE)
 
@@ -362,7 +363,7 @@ def _crafted(tmp_path, header, body=b""):
         ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, "invalid shape"),
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e400]}}, "data offsets"),
         ({"a": {"dtype": 5, "shape": [1], "data_offsets": [0, 4]}}, "unsupported dtype"),
-        ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 4]}}, "unsupported dtype"),
+        ({"a": {"dtype": "C128", "shape": [1], "data_offsets": [0, 4]}}, "unsupported dtype"),
         ({"__metadata__": {"k": 1}}, "map strings to strings"),
         ({"__metadata__": []}, "map strings to strings"),
         ([1, 2], "not a JSON object"),
@@ -828,8 +829,8 @@ def test_crafted_trees_that_cannot_be_rebuilt_are_format_errors(tmp_path):
 
 @pytest.mark.parametrize(
     "leaf",
-    [1 + 2j, np.ma.array([1.0, 2.0], mask=[0, 1])],
-    ids=["complex", "masked"],
+    [fractions.Fraction(1, 3), np.ma.array([1.0, 2.0], mask=[0, 1])],
+    ids=["fraction", "masked"],
 )
 def test_leaves_that_cannot_be_saved_faithfully_are_refused_naming_them(tmp_path, leaf):
     with pytest.raises(TypeError, match="leaf 'x'"):

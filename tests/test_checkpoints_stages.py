@@ -302,3 +302,50 @@ def test_a_device_snapshot_without_room_says_how_much_and_saves_nothing(tmp_path
     assert manager.in_flight() == 0
     assert checkpoints.available_steps(tmp_path) == []
     assert list(tmp_path.iterdir()) == []  # not even a temporary file
+
+
+class _CopyThatFailsWhenItRuns:
+    """A dispatched device copy whose run finds no room: the runtime reports it only when
+    the copy is waited for (as XLA does for `jit__copy_arrays` on a full GPU)."""
+
+    def __init__(self, like, deleted):
+        self.sharding, self._deleted = like.sharding, deleted
+
+    def block_until_ready(self):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4194304 bytes. "
+            "[executable_name='jit__copy_arrays']"
+        )
+
+    def delete(self):
+        self._deleted.append(self)
+
+
+def test_a_device_snapshot_whose_copy_fails_when_it_runs_raises_memory_error_at_the_call(
+    tmp_path,
+    monkeypatch,
+    without_type_checks,  # the failing copies below are not jax.Arrays
+):
+    deleted = []
+    dispatched = []
+
+    def copy_dispatched_without_error(arrays):
+        dispatched.extend(_CopyThatFailsWhenItRuns(a, deleted) for a in arrays)
+        return list(dispatched)
+
+    monkeypatch.setattr(_snapshot, "_copy_jit", copy_dispatched_without_error)
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 3 << 20)
+    manager = checkpoints.AsyncManager()
+    state = {"w": jnp.arange((4 << 20) // 4, dtype=jnp.float32), "b": np.ones(3, np.float32)}
+    with pytest.raises(MemoryError) as failure:
+        checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot="device")
+    assert dispatched, "the copy was dispatched: it failed when it ran, not before"
+    message = str(failure.value)
+    assert "needs 4 MiB" in message and "3 MiB are free" in message
+    assert "nothing was saved" in message
+    assert deleted == dispatched  # the failed copies are let go at once
+    manager.wait_previous_save()  # nothing left to report later
+    assert manager.in_flight() == 0
+    assert list(tmp_path.iterdir()) == []
+    expected = np.arange((4 << 20) // 4, dtype=np.float32)
+    assert np.array_equal(np.asarray(state["w"]), expected)  # the state stays usable

@@ -11,6 +11,7 @@ leaf kinds exist and how each is saved, rebuilt and filled into a target, and on
 
 from __future__ import annotations
 
+import cmath
 import functools
 import json
 import math
@@ -58,6 +59,10 @@ DTYPE_TO_CODE: dict[np.dtype, str] = {
     np.dtype(np.float64): "F64",
     np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
     np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
+    np.dtype(np.complex64): "C64",
+    # Not a safetensors code: a file's header stores a complex128 tensor as F64 with a
+    # trailing axis of 2 (`_format`); this code names it in checksums and `.shards` indexes.
+    np.dtype(np.complex128): "C128",
 }
 CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_TO_CODE.items()}
 
@@ -167,7 +172,11 @@ def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
             converted = None
         same = converted is not None and (
             converted == value
-            or (isinstance(converted, float) and math.isnan(converted) and math.isnan(value))
+            or (
+                isinstance(converted, float | complex)
+                and cmath.isnan(converted)
+                and cmath.isnan(value)
+            )
         )
         if not same or (kind is not bool and isinstance(value, bool)):
             raise ValueError(
@@ -229,6 +238,14 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
         lambda a, entry: float(a.item()),
         _exact_scalar(float),
         float,
+    ),
+    LeafKind(
+        "complex",
+        lambda x: isinstance(x, complex),
+        lambda x: np.asarray(x, np.complex128),
+        lambda a, entry: complex(a.item()),
+        _exact_scalar(complex),
+        complex,
     ),
 )
 KIND_BY_NAME = {kind.name: kind for kind in LEAF_KINDS}
@@ -336,12 +353,13 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
         if node is None:
             return None
         if isinstance(node, np.ma.MaskedArray) or (
-            isinstance(node, numbers.Number) and not isinstance(node, np.generic | int | float)
+            isinstance(node, numbers.Number)
+            and not isinstance(node, np.generic | int | float | complex)
         ):
             raise TypeError(
                 f"{caller}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
-                "be saved faithfully (complex, Decimal, Fraction and masked arrays are refused "
-                "rather than dropped); convert it to an array of a supported dtype."
+                "be saved faithfully (Decimal, Fraction and masked arrays are refused rather "
+                "than dropped); convert it to an array of a supported dtype."
             )
         kind = kind_of(node)
         if kind is not None:
@@ -419,7 +437,9 @@ def validate_description(description: Any, arrays: Arrays, bad: Callable[[str], 
             named.add(name)
             shape, dtype = arrays[name]
             if kind.scalar_type is not None or kind.name == "numpy_scalar":
-                wanted = {"bool": "b", "int": "iu", "float": "f"}.get(kind.name, "biuf")
+                wanted = {"bool": "b", "int": "iu", "float": "f", "complex": "c"}.get(
+                    kind.name, "biufc"
+                )
                 if shape != () or (kind.name != "numpy_scalar" and dtype.kind not in wanted):
                     raise bad(
                         f"tensor {short(name)} is a {kind.name} leaf but is stored as "

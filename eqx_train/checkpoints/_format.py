@@ -18,6 +18,8 @@ byte range, and holds `__metadata__` (string -> string) with our keys (named in 
   pytree without a target
 - `eqx_train.checksums`: xxh3-64 of every tensor (seeded with its dtype and shape) and of the
   tree description; absent in files written before checksums existed.
+- `eqx_train.complex128`: the tensors stored as F64 with a trailing axis of 2 that are
+  complex128 (safetensors has no code for it; the bytes are the same); absent when none are.
 
 Everything read from a file is validated before it is trusted or allocated: a malformed file
 raises a short `CheckpointFormatError` naming the file and what is wrong. Checksums are
@@ -52,6 +54,7 @@ from ._errors import CheckpointFormatError, NewerFormatError, invalid, short
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
+    COMPLEX128_KEY,
     FORMAT_KEY,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -110,10 +113,27 @@ def base_metadata(step_text: str, description: Any) -> dict[str, str]:
     }
 
 
+_COMPLEX128 = np.dtype(np.complex128)
+# What a header may name: every dtype of the table but complex128, which it stores as F64.
+_HEADER_CODES = {code: d for code, d in CODE_TO_DTYPE.items() if d != _COMPLEX128}
+
+
+def _header_dtype(tensor: Tensor) -> tuple[str, list[int]]:
+    """A tensor's dtype code and shape as its header entry says them: a complex128 tensor
+    as F64 with a trailing axis of 2 (real, imaginary), which has the same bytes and which
+    any safetensors reader reads."""
+    if tensor.dtype == _COMPLEX128:
+        return "F64", [*tensor.shape, 2]
+    return DTYPE_TO_CODE[tensor.dtype], list(tensor.shape)
+
+
 def _encode_header(
     tensors: Sequence[Tensor], metadata: dict[str, str], digests: Mapping[str, str]
 ) -> bytes:
     """The header: `tensors` listed in tree order, their bytes laid out in `file_order`."""
+    wide = [t.name for t in tensors if t.dtype == _COMPLEX128]
+    if wide:  # sealed by the checksum table like every other metadata value
+        metadata = {**metadata, COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False)}
     checksums = {
         "algorithm": CHECKSUM_ALGORITHM,
         "metadata": {key: text_digest(value) for key, value in metadata.items()},
@@ -127,11 +147,8 @@ def _encode_header(
         offsets[t.name] = [offset, offset + t.nbytes]
         offset += t.nbytes
     for t in tensors:
-        entries[t.name] = {
-            "dtype": DTYPE_TO_CODE[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": offsets[t.name],
-        }
+        code, shape = _header_dtype(t)
+        entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": offsets[t.name]}
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     alignment = _PAGE if offset >= _PAGE_ALIGNED_FROM else _ALIGN_FOR_DEVICE
     raw += b" " * (-(8 + len(raw)) % alignment)
@@ -416,6 +433,7 @@ class FileReader(ReaderBase):
                 )
             raise self.bad(why)
         checksums = self._checksums(metadata, set(entries))
+        wide = self._complex128(metadata, entries)
         data_start = 8 + header_len
         data_size = size - data_start
         tensors: dict[str, TensorInfo] = {}
@@ -424,13 +442,13 @@ class FileReader(ReaderBase):
             if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
                 raise self.bad(f"tensor {short(name)} has a malformed entry {short(entry)}")
             code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not isinstance(code, str) or code not in CODE_TO_DTYPE:
+            if not isinstance(code, str) or code not in _HEADER_CODES:
                 raise self.bad(f"tensor {short(name)} has unsupported dtype {short(code)}")
             if (
                 not isinstance(shape, list)
                 or len(shape) > MAX_NDIM
                 or not all(_is_count(s) for s in shape)
-                or too_big(shape, CODE_TO_DTYPE[code].itemsize)
+                or too_big(shape, _HEADER_CODES[code].itemsize)
             ):
                 raise self.bad(f"tensor {short(name)} has an invalid shape {short(shape)}")
             if not (
@@ -438,13 +456,15 @@ class FileReader(ReaderBase):
             ):
                 raise self.bad(f"tensor {short(name)} has invalid data offsets {short(offsets)}")
             begin, end = offsets
-            dtype = CODE_TO_DTYPE[code]
+            dtype = _HEADER_CODES[code]
             nbytes = math.prod(shape) * dtype.itemsize
             if not begin <= end <= data_size or end - begin != nbytes:
                 raise self.bad(
                     f"tensor {short(name)} claims bytes [{begin}, {end}) for "
                     f"{code}{short(shape)}, but the data section has {data_size} bytes"
                 )
+            if name in wide:  # F64 pairs: the same bytes, read as complex128
+                dtype, shape = _COMPLEX128, shape[:-1]
             checksum = None if checksums is None else checksums[name]
             tensors[name] = TensorInfo(
                 name, dtype, tuple(shape), data_start + begin, nbytes, checksum
@@ -457,6 +477,31 @@ class FileReader(ReaderBase):
         self.tensors = tensors
         self.metadata: dict[str, str] = metadata
         self._description: Any = None
+
+    def _complex128(self, metadata: dict[str, str], entries: dict[str, Any]) -> set[str]:
+        """The tensors the header stores as F64 pairs that are complex128 (validated: each
+        names an F64 tensor whose last axis is 2)."""
+        raw = metadata.get(COMPLEX128_KEY)
+        if raw is None:
+            return set()
+        names = parse_json(raw, "the list of complex128 tensors", self.bad)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise self.bad(f"its list of complex128 tensors is malformed: {short(raw)}")
+        if len(set(names)) != len(names):
+            raise self.bad("its list of complex128 tensors names a tensor twice")
+        for name in names:
+            entry = entries.get(name)
+            if not (
+                isinstance(entry, dict)
+                and entry.get("dtype") == "F64"
+                and isinstance(entry.get("shape"), list)
+                and entry["shape"][-1:] == [2]
+            ):
+                raise self.bad(
+                    f"its list of complex128 tensors names {short(name)}, which is not a "
+                    "float64 tensor with a last axis of 2"
+                )
+        return set(names)
 
     def _checksums(self, metadata: dict[str, str], names: set[str]) -> dict[str, str] | None:
         raw = metadata.get(CHECKSUMS_KEY)

@@ -132,10 +132,12 @@ def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
 
 def cast_on_host(array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
     """`array` as `dtype` (None: as it is), as NumPy casts: a value out of range becomes
-    inf (a float) or wraps (an integer), silently, as the `casting` asked for allows."""
+    inf (a float) or wraps (an integer), and a complex loses its imaginary part, silently,
+    as the `casting` asked for allows."""
     if dtype is None or array.dtype == dtype:
         return array
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
         return array.astype(dtype)
 
 
@@ -266,10 +268,10 @@ def match(
             shared_arrays.append((file_shape, file_dtype, shape, dtype))
         # A Python scalar takes a saved value that converts exactly; a saved bool never
         # does into an int or a float (`_description`'s fill refuses it whatever its
-        # value), which the header already says.
+        # value), which the header already says; only a Python complex takes a complex.
         numeric = file_dtype.kind in (
             "biuf" if is_config or kind.scalar_type in (None, bool) else "iuf"
-        )
+        ) or (file_dtype.kind == "c" and (is_config or kind.scalar_type is complex))
         cast = dtype is not None and file_dtype != dtype
         # Key data is never cast, whether the target or the file holds the key.
         is_key = kind.name == "prng_key" or source in saved_keys

@@ -53,6 +53,9 @@ STEP_KEY = "eqx_train.step"
 TREE_KEY = "eqx_train.tree"
 CHECKSUMS_KEY = "eqx_train.checksums"
 CHECKSUM_ALGORITHM = "xxh3_64"
+# The tensors a header stores as F64 with a trailing axis of 2 that are complex128 (a JSON
+# list of names; absent when there are none): safetensors has no complex128 code.
+COMPLEX128_KEY = "eqx_train.complex128"
 ARRAYS_KEY = "eqx_train.arrays"  # a .shards index: every array's shape, dtype and pieces
 PIECES_KEY = "eqx_train.pieces"  # a piece file: each of its tensors' leaf and slice
 # The save's token, in every file of one save: a .shards index and each of its piece files

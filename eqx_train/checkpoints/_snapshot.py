@@ -277,8 +277,9 @@ def _copy_on_devices(arrays: Sequence[jax.Array], caller: str) -> dict[int, jax.
     by shard on this process's devices and reassembled: no computation spans processes, so
     no process waits for another (they may decide differently between device and host).
 
-    A copy the devices have no memory for raises `MemoryError` naming the bytes needed and
-    free; the copies already made are freed first."""
+    A copy the devices have no memory for, whether its dispatch or its run finds no room,
+    raises `MemoryError` naming the bytes needed and free; the copies already made are freed
+    first."""
     parts: dict[int, list[jax.Array]] = {}
     groups: dict[tuple[int, ...], list[jax.Array]] = {}
     for array in arrays:
@@ -291,12 +292,18 @@ def _copy_on_devices(arrays: Sequence[jax.Array], caller: str) -> dict[int, jax.
             groups.setdefault(key, []).append(part)
     copied: dict[int, jax.Array] = {}
     for group in groups.values():
+        group_copies: list[jax.Array] = []
         try:
             group_copies = _device_copy(group)
+            # The runtime allocates a copy's buffers when it runs, not when it is
+            # dispatched: waiting for them (milliseconds) reports a device without room
+            # here, at the call, rather than from the writer or the next save.
+            for copy in group_copies:
+                copy.block_until_ready()
         except Exception as error:
             if not _out_of_memory(error):
                 raise
-            for copy in copied.values():
+            for copy in [*copied.values(), *group_copies]:
                 copy.delete()
             raise MemoryError(_no_room_message(group, caller)) from error
         for part, copy in zip(group, group_copies, strict=True):

@@ -139,7 +139,7 @@ def save_sharded(
     **Raises:**
 
     `ValueError` naming the value for a bad `max_shard_size`; `TypeError` / `ValueError`
-    naming the leaf path for what `save_checkpoint` refuses too (complex, masked arrays,
+    naming the leaf path for what `save_checkpoint` refuses too (masked arrays, Fractions,
     unsupported dtypes, two leaves with one name). Nothing is written when it raises so.
     """
     caller = "save_sharded"

@@ -38,6 +38,8 @@ DTYPES: tuple[np.dtype, ...] = tuple(
         np.float64,
         ml_dtypes.float8_e4m3fn,
         ml_dtypes.float8_e5m2,
+        np.complex64,
+        np.complex128,
     )
 )
 
@@ -88,6 +90,13 @@ def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -
     if dtype.kind == "f":
         width = _FLOAT_WIDTHS[dtype.itemsize]
         return draw(hnp.arrays(dtype, shape, elements=st.floats(width=width)))
+    if dtype.kind == "c":
+        # Real and imaginary parts drawn as floats, each any kind of value on its own (NaN
+        # beside a finite part, -0.0, infinities), then read as the complex pairs they are.
+        part = np.dtype(f"float{dtype.itemsize * 4}")
+        width = _FLOAT_WIDTHS[part.itemsize]
+        pairs = draw(hnp.arrays(part, (*shape, 2), elements=st.floats(width=width)))
+        return pairs.view(dtype).reshape(shape)
     return draw(hnp.arrays(dtype, shape))
 
 
@@ -96,11 +105,12 @@ def arrays(
     shapes: tuple[int, ...] | st.SearchStrategy | None = None,
 ) -> st.SearchStrategy[np.ndarray]:
     """NumPy arrays of any dtype eqx_train saves (`DTYPES`: bool, every int and uint width
-    up to 64 bits, float16/32/64, bfloat16, float8_e4m3fn and float8_e5m2), 0-d and empty
-    shapes included.
+    up to 64 bits, float16/32/64, bfloat16, float8_e4m3fn, float8_e5m2, complex64 and
+    complex128), 0-d and empty shapes included.
 
     Floats take every kind of value: infinities, NaN, `-0.0`, subnormals; bfloat16 and the
-    float8s are drawn as raw bit patterns, so NaN payloads too. Shrinks towards 0-d
+    float8s are drawn as raw bit patterns, so NaN payloads too; each part of a complex
+    takes any float value on its own. Shrinks towards 0-d
     float32 zeros.
 
     **Arguments:**
