@@ -163,6 +163,15 @@ class Match:
     hint: str = ""
     nothing_found: bool = False  # no leaf to restore is in the file: the names differ
 
+    def take(self, slot: Slot, saved_shape: tuple[int, ...]) -> None:
+        """Records that `slot` fills its leaf from a saved tensor of `saved_shape`."""
+        self.slots.append(slot)
+        self.taken[slot.target] = slot.saved
+        if slot.cast is not None and slot.dtype is not None:
+            self.cast[slot.target] = (slot.dtype, slot.cast)
+        if slot.transform is not None:
+            self.transformed[slot.target] = (saved_shape, slot.shape)
+
 
 def _describe(shape: Any, dtype: Any) -> str:
     return f"{tuple(shape)} {np.dtype(dtype)}"
@@ -259,19 +268,13 @@ def match(
         if is_config:
             found.config_slots.append(slot)
             continue
-        found.slots.append(slot)
-        found.taken[name] = source
-        if slot.cast is not None:
-            found.cast[name] = (np.dtype(slot.dtype), np.dtype(slot.cast))
-        if slot.transform is not None:
-            found.transformed[name] = (tuple(available[source][0]), slot.shape)
+        found.take(slot, tuple(available[source][0]))
     found.unused = [name for name in available if name not in used]
     if strict:
-        for name in found.unused:
-            shape, dtype = available[name]
-            found.problems.append(
-                f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
-            )
+        found.problems += [
+            f"'{name}': in the file as {_describe(*available[name])}, not in the target"
+            for name in found.unused
+        ]
     found.problems.extend(
         rename_problems(rename, data_names, prefixes_matched, prefixes_found, strict)
     )

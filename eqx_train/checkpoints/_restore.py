@@ -403,18 +403,7 @@ def restore_from(
         else:
             read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
         leaves[slot.index] = weak_like(leaves[slot.index], read)
-    # Python scalars: a few bytes each, read outside the window.
-    config_arrays = reader.read_many(
-        list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
-    )
-    config_values = []
-    for s in found.config_slots:
-        try:
-            config_values.append(
-                (s.target, leaves[s.index], s.kind, s.host_array(config_arrays[s.saved]))
-            )
-        except _transform.TransformError as error:
-            problems.append(f"'{s.target}': from saved '{s.saved}': {error}")
+    config_values = _config_values(reader, found, verify, parallel, problems)
     if problems:
         _fail(reader.path, problems, strict, caller)
     differences = _selection.config_differences(config_values)
@@ -424,6 +413,24 @@ def restore_from(
         _matching.warn_partial(reader.path, found, caller)
     _matching.warn_placeholders(reader.path, found, leaves, caller)
     return jtu.tree_unflatten(found.treedef, leaves)
+
+
+def _config_values(
+    reader: Reader, found: _matching.Match, verify: bool, parallel: bool, problems: list[str]
+) -> list[tuple[str, Any, LeafKind, np.ndarray]]:
+    """(name, target leaf, kind, saved value) of each Python scalar of an Equinox module the
+    file saved, to compare with the target's (read outside the window: a few bytes each);
+    a transform that fails on one adds to `problems`."""
+    arrays = reader.read_many(
+        list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
+    )
+    values = []
+    for s in found.config_slots:
+        try:
+            values.append((s.target, found.leaves[s.index], s.kind, s.host_array(arrays[s.saved])))
+        except _transform.TransformError as error:
+            problems.append(f"'{s.target}': from saved '{s.saved}': {error}")
+    return values
 
 
 def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:
