@@ -318,3 +318,16 @@ def test_a_shape_that_is_no_permutation_gets_no_transform_hint(directory):
     target = {"w": jnp.zeros((16, 16)), "qkv": jnp.zeros((4, 9))}
     (problem,) = plan_restore(directory, target).problems
     assert "permutation" not in problem and "transform" not in problem
+
+
+def test_one_saved_tensor_fills_a_transformed_leaf_and_a_sharded_leaf_read_by_blocks(tmp_path):
+    # On a `.shards` checkpoint the sharded `w` is read device block by device block, and
+    # the transformed `wt` whole: both from the one saved tensor.
+    checkpoints.save_checkpoint_multiprocess(tmp_path, {"w": KERNEL}, 1)
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)), PartitionSpec("x"))
+    target = {"w": jax.device_put(jnp.zeros((8, 16)), sharding), "wt": jnp.zeros((16, 8))}
+    restored = restore_checkpoint(
+        tmp_path, target, rename={"wt": "w"}, transform={"wt": lambda a: a.T}
+    )
+    assert restored["w"].sharding == sharding
+    assert_trees_equal(restored, {"w": KERNEL, "wt": KERNEL.T.copy()})
