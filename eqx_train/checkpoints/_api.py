@@ -27,6 +27,7 @@ from . import (
     _restore,
     _selection,
     _snapshot,
+    _transform,
     _window,
 )
 from ._async import AsyncManager
@@ -485,6 +486,7 @@ def restore_checkpoint(
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
     replica_parallel: bool = True,
+    transform: _transform.Transform = None,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -525,6 +527,19 @@ def restore_checkpoint(
       The cast happens on the host, before the leaf is placed on its devices, and is
       NumPy's: a value out of the target's range becomes `inf` (float32 `1e6` into float16)
       without a warning. PRNG key leaves are never cast.
+    - `transform`: reshape saved tensors stored in another layout than the target's (a
+      transposed kernel, a fused QKV projection) after reading, before the cast and the
+      shape check. A mapping of target name prefixes to functions `array -> array` (the
+      longest matching prefix wins; an entry that applies to no target leaf is an error),
+      or a function `(target_name, array) -> array | None` (None: no transform for that
+      leaf). Each function receives the saved tensor as a read-only NumPy array (several
+      leaves may be cut from one saved tensor; `rename` several targets to it) and may
+      return a NumPy or JAX array (converted back with `np.asarray`; prefer NumPy
+      functions and array methods, which stay on the host). It is first run under
+      `jax.eval_shape` on a `jax.ShapeDtypeStruct` of the saved tensor, so that the shapes
+      are checked before any data is read: it must trace (`a.T`, `a.transpose(1, 0)`,
+      `a.reshape(...)`, `a[..., :n]`, `jnp.split(a, 3)[0]`, not `np.asarray(a)` or Python
+      decisions on values). It may be called from several threads at once.
     - `verify`: check every tensor read against the checksum recorded when it was saved
       (default). Files written before checksums existed have nothing to check.
     - `host_window_bytes`: the most leaf bytes held on the host at once while restoring
@@ -545,7 +560,9 @@ def restore_checkpoint(
       must convert exactly, as for other Python scalars.
     - `filter_spec`: restore only the leaves it selects (Equinox's convention: a filter such
       as `eqx.is_array`, a bool, or a pytree prefix of `target` of those); the others keep
-      the target's values, and the file's tensors for them are ignored. Default: every leaf.
+      the target's values, and the file's tensors for them are ignored: those named by
+      their leaves, and every one under a sub-tree it leaves out whole (a fresh `opt_state`:
+      the saved optimiser state goes unused, even with `strict=True`). Default: every leaf.
     - `replica_parallel`: in a multi-process job, when the target places one block of an
       array on devices of several processes, each of them reads only its share of the
       block and one jitted resharding assembles it over the interconnect (default), so the
@@ -555,19 +572,28 @@ def restore_checkpoint(
     **Returns:**
 
     The restored pytree. If `ckpt_dir` does not exist, or is a directory holding no weights
-    and `step` is None, `target` is returned unchanged (as flax does).
+    and `step` is None, `target` is returned unchanged (as flax does). A checkpoint that
+    fills none of the target's leaves to restore (no name in common) is an error whatever
+    `strict` says; a target without data leaves, or a `filter_spec` that selects none, is not.
 
     **Raises:**
 
     `ValueError` for a missing `step` (naming the available ones) and for a file that does
     not match `target` (listing each path with what the file has and what the target
     expects; when every array has an extra leading axis, as a state saved replicated does,
-    saying so); `CheckpointFormatError` (a `ValueError`) naming the file if it is truncated,
-    corrupt or fails a checksum. Only the tensors the target needs are read from disk.
+    saying so; when the saved shape is a permutation of the target's, giving the
+    `transform=` that transposes it); `CheckpointFormatError` (a `ValueError`) naming the
+    file if it is truncated, corrupt or fails a checksum. Only the tensors the target needs
+    are read from disk.
     """
     _selection.check_config(config, "restore_checkpoint")
     _matching.check_options(
-        casting, rename, "restore_checkpoint", target=target, filter_spec=filter_spec
+        casting,
+        rename,
+        "restore_checkpoint",
+        target=target,
+        filter_spec=filter_spec,
+        transform=transform,
     )
     _window.check_window(host_window_bytes, "restore_checkpoint")
     store, where = _locations.resolve(ckpt_dir, storage_options, caller="restore_checkpoint")
@@ -586,4 +612,5 @@ def restore_checkpoint(
         rename=rename,
         casting=casting,
         replica_parallel=replica_parallel,
+        transform=transform,
     )

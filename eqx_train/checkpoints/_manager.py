@@ -25,6 +25,7 @@ from . import (
     _retention,
     _selection,
     _snapshot,
+    _transform,
 )
 from ._api import restore_checkpoint, save_pipeline
 from ._async import AsyncManager
@@ -428,6 +429,7 @@ class CheckpointManager:
         strict: bool = True,
         rename: _matching.Rename = None,
         casting: _matching.Casting = "no",
+        transform: _transform.Transform = None,
     ) -> T:
         """Restores a checkpoint into the structure of `target`, as `restore_checkpoint`
         does.
@@ -449,8 +451,9 @@ class CheckpointManager:
           in the target), and a requested step or `"best"` never falls back.
         - `config`, `filter_spec`: as for `restore_checkpoint` (the target's Python
           configuration wins by default; `filter_spec` restores a part of the tree).
-        - `strict`, `rename`, `casting`: as for `restore_checkpoint`, for a model that
-          changed since the save (see `plan_restore`); the fallback works with them too.
+        - `strict`, `rename`, `casting`, `transform`: as for `restore_checkpoint`, for a
+          model that changed since the save (see `plan_restore`); the fallback works with
+          them too.
 
         **Returns:**
 
@@ -474,7 +477,12 @@ class CheckpointManager:
         """
         _selection.check_config(config, "CheckpointManager.restore")
         _matching.check_options(
-            casting, rename, "CheckpointManager.restore", target=target, filter_spec=filter_spec
+            casting,
+            rename,
+            "CheckpointManager.restore",
+            target=target,
+            filter_spec=filter_spec,
+            transform=transform,
         )
         self.wait()
         options: dict[str, Any] = {
@@ -483,6 +491,7 @@ class CheckpointManager:
             "strict": strict,
             "rename": rename,
             "casting": casting,
+            "transform": transform,
             "host_window_bytes": self.host_window_bytes,
             "replica_parallel": self.replica_parallel,
         }

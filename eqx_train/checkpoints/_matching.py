@@ -4,7 +4,8 @@ shapes, dtypes, PRNG key implementations); `restore_from` then reads what it say
 `plan_restore` shows it without reading any tensor data.
 
 A target leaf's source is its own name unless `rename` says otherwise (a mapping of name
-prefixes, or a function); a source whose dtype differs is cast on the host when NumPy's
+prefixes, or a function, `_rename`); a `transform` may reshape the saved tensor first
+(`_transform`); a source whose dtype differs is cast on the host when NumPy's
 `can_cast(saved, target, casting)` allows it.
 """
 
@@ -27,16 +28,23 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import path_to_name
-from . import _selection
+from . import _selection, _transform
 from ._description import LeafKind, key_impl, key_impls, kind_of
 from ._errors import outside_stacklevel
 from ._leaf_names import leaf_names
+from ._rename import (
+    ROOT,
+    Rename as Rename,
+    longest,
+    prefixes_of,
+    rename_problems,
+    some,
+    source_of as source_of,
+    under,
+)
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
 CASTINGS: tuple[Casting, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
-Rename = Mapping[str, str] | Callable[[str], str | None] | None
-_LISTED_NAMES = 5  # names a PartialRestoreWarning shows of each list before a count
 
 
 class PartialRestoreWarning(UserWarning):
@@ -52,11 +60,17 @@ class PartialRestoreWarning(UserWarning):
 
 
 def check_options(
-    casting: Any, rename: Any, caller: str, *, target: Any = (), filter_spec: Any = None
+    casting: Any,
+    rename: Any,
+    caller: str,
+    *,
+    target: Any = (),
+    filter_spec: Any = None,
+    transform: Any = None,
 ) -> None:
-    """Raises, naming `caller`, for a `casting` or `rename` of the wrong kind, and for any of
-    `rename`, `casting`, `filter_spec` given with `target=None` (which loads the file as
-    saved: they would be ignored)."""
+    """Raises, naming `caller`, for a `casting`, `rename` or `transform` of the wrong kind,
+    and for any of `rename`, `casting`, `filter_spec`, `transform` given with `target=None`
+    (which loads the file as saved: they would be ignored)."""
     if target is None:
         given = [
             name
@@ -64,6 +78,7 @@ def check_options(
                 ("rename", rename is not None),
                 ("casting", casting != "no"),
                 ("filter_spec", filter_spec is not None),
+                ("transform", transform is not None),
             ]
             if is_set
         ]
@@ -74,6 +89,7 @@ def check_options(
             )
     if casting not in CASTINGS:
         raise ValueError(f"{caller}: casting must be one of {CASTINGS}, got {casting!r}.")
+    _transform.check_transform(transform, caller)
     if rename is None or callable(rename):
         return
     if not isinstance(rename, Mapping) or not all(
@@ -83,46 +99,6 @@ def check_options(
             f"{caller}: rename must be a mapping of target name prefixes to saved name "
             f"prefixes (str -> str) or a function name -> saved name or None, got {rename!r}."
         )
-
-
-_ROOT = path_to_name(())  # the name of the one leaf of a tree that is a leaf
-
-
-def _under(name: str, prefix: str) -> bool:
-    """Whether `prefix` is `name` or a run of its first dot-separated segments ("" is all)."""
-    return prefix == "" or name == prefix or name.startswith(prefix + ".")
-
-
-def _replace(name: str, prefix: str, by: str) -> str:
-    rest = name[len(prefix) :].lstrip(".") if prefix else name
-    return ".".join(part for part in (by, rest) if part)
-
-
-def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str | None]:
-    """(the saved name target leaf `name` takes its values from, or None for none; the
-    `rename` prefix that decided it, or None). The longest matching prefix wins."""
-    if rename is None:
-        return name, None
-    if callable(rename) and not isinstance(rename, Mapping):
-        try:
-            source = rename(name)
-        except Exception as error:
-            error.add_note(f"{caller}: raised by rename('{name}'), the target leaf's name")
-            raise
-        if source is not None and not isinstance(source, str):
-            raise TypeError(
-                f"{caller}: rename('{name}') returned {source!r}; it must return a saved "
-                "name (str) or None (the leaf keeps the target's value)."
-            )
-        return source, None
-    # A tree that is one leaf has the name '<root>', which is the prefix "": a root
-    # mapped to a leaf takes it, and a leaf mapped to "" takes a file of one array.
-    path = "" if name == _ROOT else name
-    matching = [prefix for prefix in rename if _under(path, prefix)]
-    if not matching:
-        return name, None
-    prefix = max(matching, key=len)
-    return _replace(path, prefix, rename[prefix]) or _ROOT, prefix
 
 
 def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
@@ -149,13 +125,23 @@ def saved_key_impls(reader: Any) -> dict[str, str]:
 @dataclass(frozen=True)
 class Slot:
     """One target leaf filled from one saved tensor (`cast`: the dtype to cast to on the
-    host, or None)."""
+    host, or None; `transform`: the function run on the saved tensor first, or None, and
+    `shape`, `dtype`: what it returns)."""
 
     index: int
     target: str
     saved: str
     kind: LeafKind
     cast: np.dtype | None = None
+    transform: Callable[[Any], Any] | None = None
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype | None = None
+
+    def host_array(self, saved: np.ndarray) -> np.ndarray:
+        """The saved tensor's host bytes as this leaf takes them: transformed, then cast."""
+        if self.transform is not None and self.dtype is not None:
+            saved = _transform.apply(self.transform, saved, self.shape, self.dtype)
+        return cast_on_host(saved, self.cast)
 
 
 @dataclass
@@ -169,12 +155,24 @@ class Match:
     config_slots: list[Slot] = field(default_factory=list)  # module scalars, compared
     taken: dict[str, str] = field(default_factory=dict)
     cast: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
+    # target name -> (saved shape, shape after its transform)
+    transformed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # kept: no saved tensor (strict=False)
     unused: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)  # saved names a bad header may explain
     hint: str = ""
+    nothing_found: bool = False  # no leaf to restore is in the file: the names differ
+
+    def take(self, slot: Slot, saved_shape: tuple[int, ...]) -> None:
+        """Records that `slot` fills its leaf from a saved tensor of `saved_shape`."""
+        self.slots.append(slot)
+        self.taken[slot.target] = slot.saved
+        if slot.cast is not None and slot.dtype is not None:
+            self.cast[slot.target] = (slot.dtype, slot.cast)
+        if slot.transform is not None:
+            self.transformed[slot.target] = (saved_shape, slot.shape)
 
 
 def _describe(shape: Any, dtype: Any) -> str:
@@ -200,23 +198,29 @@ def match(
     config: _selection.Config = "target",
     filter_spec: Any = None,
     caller: str = "restore_checkpoint",
+    transform: _transform.Transform = None,
 ) -> Match:
     """Matches every data leaf of `target` against the tensors of `reader` (headers only):
-    by name through `rename`; shape equal; dtype equal or castable under `casting` (PRNG
-    keys never cast, and their implementation equal); with `strict`, no leaf without a
-    saved tensor and no saved tensor unused. `filter_spec` leaves out leaves (kept from the
-    target); with `config="target"` the Python scalars of Equinox modules are compared, not
-    taken (`_selection`). Every problem is listed, naming the leaf (and its saved name when
-    `rename` changed it)."""
+    by name through `rename`; through `transform` (evaluated on the saved shape and dtype,
+    `_transform`); shape equal; dtype equal or castable under `casting` (PRNG keys never
+    cast, and their implementation equal); with `strict`, no leaf without a saved tensor
+    and no saved tensor unused. `filter_spec` leaves out leaves (kept from the target),
+    and the saved tensors under the sub-trees it leaves out whole go unused as expected;
+    with `config="target"` the Python scalars of Equinox modules are compared, not taken
+    (`_selection`). A target none of whose leaves to restore is in the file is refused
+    whatever `strict` says. Every problem is listed, naming the leaf (and its saved name
+    when `rename` changed it)."""
     available = reader.arrays()
     saved_keys = saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
     names = leaf_names(target, available, reader.path, caller)  # eqx.nn.State: by marker
     found = Match([leaf for _, leaf in pairs], treedef, names)
     chosen = _selection.selected(target, filter_spec)
-    shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # for the replicated-save hint
-    used: set[str] = set()
-    data_names: list[str] = []  # of every data leaf, for what a dead `rename` entry says
+    judge = _Judge(found, available, saved_keys, casting, transform)
+    used = _left_out(names, chosen, rename, available) if filter_spec is not None else set()
+    data_names: list[str] = []  # of every data leaf, for what a dead prefix entry says
+    to_restore: list[str] = []  # data leaves the restore should fill from the file
+    in_file = 0  # of them, those whose saved name the file holds
     prefixes_matched: set[str] = set()
     prefixes_found: set[str] = set()
     for index, (key_path, leaf) in enumerate(pairs):
@@ -230,6 +234,7 @@ def match(
             prefixes_matched.add(prefix)
             if source in available:
                 prefixes_found.add(prefix)
+        chosen_fn = judge.transform_for(name)
         if not chosen[index] or source is None:
             # Left out by filter_spec: kept from the target, and its saved tensor (if any)
             # is never "extra". Given no source by rename: kept, and it takes no saved
@@ -243,6 +248,8 @@ def match(
             and kind.scalar_type is not None
             and _selection.is_module_field(target, key_path)
         )
+        if not is_config:
+            to_restore.append(name)
         shape, dtype = _expected(kind, leaf)
         expectation = _describe(shape, dtype) if dtype is not None else f"() {type(leaf).__name__}"
         label = f"'{name}'" if source == name else f"'{name}' (from saved '{source}' by rename)"
@@ -256,16 +263,114 @@ def match(
                 found.missing.append(name)
             continue
         used.add(source)
+        in_file += not is_config
+        slot = judge(index, name, source, label, kind, leaf, is_config, expectation, chosen_fn)
+        if slot is None:
+            continue
+        if is_config:
+            found.config_slots.append(slot)
+            continue
+        found.take(slot, tuple(available[source][0]))
+    found.unused = [name for name in available if name not in used]
+    if strict:
+        found.problems += [
+            f"'{name}': in the file as {_describe(*available[name])}, not in the target"
+            for name in found.unused
+        ]
+    found.problems.extend(
+        rename_problems(rename, data_names, prefixes_matched, prefixes_found, strict)
+    )
+    found.problems.extend(judge.dead_prefixes(data_names))
+    if to_restore and not in_file:
+        found.nothing_found = True
+        found.problems.insert(0, _nothing_found(available, to_restore, rename))
+    if found.problems:
+        found.hint = _selection.replicated_hint(judge.shared_arrays)
+    return found
+
+
+class _Judge:
+    """Whether one saved tensor can fill one target leaf (through its transform, by shape,
+    dtype and PRNG key implementation): a `Slot` to fill it, or a problem in `found`."""
+
+    def __init__(
+        self,
+        found: Match,
+        available: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        saved_keys: dict[str, str],
+        casting: Casting,
+        transform: _transform.Transform,
+    ) -> None:
+        self.found, self.available, self.saved_keys = found, available, saved_keys
+        self.casting: Casting = casting
+        self.transform = transform
+        self.shared_arrays: list[tuple[Any, Any, Any, Any]] = []  # the replicated-save hint
+        self.prefixes_used: set[str] = set()  # of a transform mapping
+
+    def transform_for(self, name: str) -> Callable[[Any], Any] | None:
+        """The function to run on target leaf `name`'s saved tensor, or None."""
+        if not isinstance(self.transform, Mapping):
+            return _transform.bind(self.transform, name, None)
+        prefix = longest(name, self.transform)
+        if prefix is None:
+            return None
+        self.prefixes_used.add(prefix)
+        return self.transform[prefix]
+
+    def dead_prefixes(self, names: list[str]) -> list[str]:
+        """A transform mapping's entries that apply to no target leaf (a typo)."""
+        if not isinstance(self.transform, Mapping):
+            return []
+        dead = [p for p in self.transform if p not in self.prefixes_used]
+        return [
+            f"transform {{{p!r}: ...}}: no target leaf is named '{p}' or under it"
+            if not any(under(name, p) for name in names)
+            else f"transform {{{p!r}: ...}}: applies to no leaf, as a longer prefix takes "
+            f"each one under '{p}'; remove it or the longer one"
+            for p in dead
+        ]
+
+    def __call__(
+        self,
+        index: int,
+        name: str,
+        source: str,
+        label: str,
+        kind: LeafKind,
+        leaf: Any,
+        is_config: bool,
+        expectation: str,
+        fn: Callable[[Any], Any] | None,
+    ) -> Slot | None:
+        problems = self.found.problems
         # Before the shape: an rbg key's data is (4,), a threefry key's (2,).
         impl = str(key_impl(leaf)) if kind.name == "prng_key" else None
-        if impl is not None and saved_keys.get(source, impl) != impl:
-            found.problems.append(
-                f"{label}: file has a {saved_keys[source]} PRNG key, target expects {impl}"
+        if impl is not None and self.saved_keys.get(source, impl) != impl:
+            problems.append(
+                f"{label}: file has a {self.saved_keys[source]} PRNG key, target expects {impl}"
             )
-            continue
-        file_shape, file_dtype = available[source]
+            return None
+        file_shape, file_dtype = self.available[source]
+        saved = _describe(file_shape, file_dtype)
+        if fn is not None:
+            try:
+                after = _transform.evaluate(
+                    fn,
+                    tuple(file_shape),
+                    file_dtype,
+                    none_ok=not isinstance(self.transform, Mapping),
+                )
+            except _transform.TransformError as error:
+                problems.append(f"{label}: transforming saved '{source}': {error}")
+                return None
+            if after is None:
+                fn = None  # the function form's "no transform for this leaf"
+            else:
+                file_shape, file_dtype = after
+                saved += f", transformed to {_describe(file_shape, file_dtype)}"
+        shape, dtype = _expected(kind, leaf)
         if dtype is not None:
-            shared_arrays.append((file_shape, file_dtype, shape, dtype))
+            self.shared_arrays.append((file_shape, file_dtype, shape, dtype))
         # A Python scalar takes a saved value that converts exactly; a saved bool never
         # does into an int or a float (`_description`'s fill refuses it whatever its
         # value), which the header already says; only a Python complex takes a complex.
@@ -274,37 +379,55 @@ def match(
         ) or (file_dtype.kind == "c" and (is_config or kind.scalar_type is complex))
         cast = dtype is not None and file_dtype != dtype
         # Key data is never cast, whether the target or the file holds the key.
-        is_key = kind.name == "prng_key" or source in saved_keys
-        allowed = not cast or (not is_key and np.can_cast(file_dtype, np.dtype(dtype), casting))
+        is_key = kind.name == "prng_key" or source in self.saved_keys
+        allowed = not cast or (
+            not is_key and np.can_cast(file_dtype, np.dtype(dtype), self.casting)
+        )
         if file_shape != shape or (dtype is None and not numeric) or not allowed:
-            found.mismatched.append(source)
-            found.problems.append(
-                f"{label}: file has {_describe(file_shape, file_dtype)}, target expects "
-                f"{expectation}"
-                + _why_not_cast(is_key, file_shape == shape and cast, file_dtype, dtype, casting)
+            self.found.mismatched.append(source)
+            why = _why_not_cast(
+                is_key, file_shape == shape and cast, file_dtype, dtype, self.casting
             )
-            continue
-        slot = Slot(index, name, source, kind, dtype if cast else None)
-        if is_config:
-            found.config_slots.append(slot)
-            continue
-        found.slots.append(slot)
-        found.taken[name] = source
-        if cast:
-            found.cast[name] = (np.dtype(file_dtype), np.dtype(dtype))
-    found.unused = [name for name in available if name not in used]
-    if strict:
-        for name in found.unused:
-            shape, dtype = available[name]
-            found.problems.append(
-                f"'{name}': in the file as {_describe(shape, dtype)}, not in the target"
-            )
-    found.problems.extend(
-        _rename_problems(rename, data_names, prefixes_matched, prefixes_found, strict)
+            if fn is None and file_shape != shape:
+                why += _transform.permutation_hint(name, tuple(file_shape), shape)
+            problems.append(f"{label}: file has {saved}, target expects {expectation}{why}")
+            return None
+        return Slot(
+            index,
+            name,
+            source,
+            kind,
+            np.dtype(dtype) if cast else None,
+            fn,
+            tuple(file_shape),
+            np.dtype(file_dtype),
+        )
+
+
+def _left_out(
+    names: list[str], chosen: list[bool], rename: Rename, available: Mapping[str, Any]
+) -> set[str]:
+    """The saved tensors a `filter_spec` expects to go unused: those under a sub-tree of the
+    target that it leaves out whole (a fresh optimiser state), by the sub-tree's own name
+    and, where a `rename` mapping entry covers the whole sub-tree, by its saved name."""
+    prefixes = set(_selection.left_out_prefixes(names, chosen))
+    if isinstance(rename, Mapping):
+        for prefix in list(prefixes):
+            source, by = source_of(prefix or ROOT, rename, "")
+            if by is not None and source is not None:
+                prefixes.add("" if source == ROOT else source)
+    return {name for name in available if any(p in prefixes for p in prefixes_of(name))}
+
+
+def _nothing_found(available: Mapping[str, Any], to_restore: list[str], rename: Rename) -> str:
+    """The problem of a target none of whose leaves to restore is in the file."""
+    return (
+        f"none of the target's {len(to_restore)} leaves to restore is in the file"
+        + (" (after rename)" if rename is not None else "")
+        + f": the file holds {len(available)} tensors ({some(list(available))}), the target "
+        f"asks for {some(to_restore)}. Map the target's names to the saved ones with "
+        "rename=, and check what matches with plan_restore first"
     )
-    if found.problems:
-        found.hint = _selection.replicated_hint(shared_arrays)
-    return found
 
 
 def _why_not_cast(
@@ -319,45 +442,6 @@ def _why_not_cast(
     return f"; casting={needed!r} would allow it (now casting={casting!r})" if needed else ""
 
 
-def _rename_problems(
-    rename: Rename, names: list[str], matched: set[str], found: set[str], strict: bool
-) -> list[str]:
-    """A `rename` entry that applies to no target leaf (none is under it, or a longer
-    prefix takes each one that is), or (with `strict=False`, where a missing leaf is no
-    problem of its own) whose saved prefix holds no tensor: a typo."""
-    if rename is None or callable(rename) and not isinstance(rename, Mapping):
-        return []
-    problems = []
-    for prefix, by in rename.items():
-        if prefix in matched:
-            continue
-        under = [name for name in names if _under(name, prefix)]
-        if not under:
-            problems.append(
-                f"rename {{{prefix!r}: {by!r}}}: no target leaf is named '{prefix}' or under it"
-            )
-            continue
-        longer = sorted({p for p in matched if _under(p, prefix)}, key=len)
-        problems.append(
-            f"rename {{{prefix!r}: {by!r}}}: applies to no leaf, as a longer prefix takes "
-            f"each one under '{prefix}' ({_some(longer)}); remove it or the longer one"
-        )
-    if not strict:
-        problems += [
-            f"rename {{{prefix!r}: {by!r}}}: the file has no tensor for any target leaf under "
-            f"'{prefix}' (looked for them under '{by}')"
-            for prefix, by in rename.items()
-            if prefix in matched and prefix not in found
-        ]
-    return problems
-
-
-def _some(names: list[str]) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:_LISTED_NAMES])
-    more = len(names) - _LISTED_NAMES
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
 def warn_partial(path: str, found: Match, caller: str) -> None:
     """One `PartialRestoreWarning` for a `strict=False` restore that left target leaves
     without a saved tensor or saved tensors unused; nothing when neither."""
@@ -365,10 +449,10 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
     if found.missing:
         lines.append(
             f"{len(found.missing)} target leaves kept the target's values (no saved tensor): "
-            + _some(found.missing)
+            + some(found.missing)
         )
     if found.unused:
-        lines.append(f"{len(found.unused)} saved tensors went unused: " + _some(found.unused))
+        lines.append(f"{len(found.unused)} saved tensors went unused: " + some(found.unused))
     if lines:
         listed = "\n  ".join(lines)
         warnings.warn(
@@ -393,7 +477,7 @@ def warn_placeholders(path: str, found: Match, leaves: list[Any], caller: str) -
             PartialRestoreWarning(
                 f"{caller}: {len(names)} leaves of the abstract target were not restored "
                 f"from {path} and come back as jax.ShapeDtypeStruct placeholders: "
-                f"{_some(names)}. Give them values (e.g. eqx.combine with a concrete tree) "
+                f"{some(names)}. Give them values (e.g. eqx.combine with a concrete tree) "
                 "before use, or restore them too (filter_spec, rename, strict)."
             ),
             stacklevel=outside_stacklevel(sys._getframe()),

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import _layouts, _locations, _matching, _names, _restore, _selection
+from . import _layouts, _locations, _matching, _names, _restore, _selection, _transform
 
 
 @dataclass(frozen=True)
@@ -28,13 +28,16 @@ class RestorePlan:
       way in.
     - `kept`: target names that keep the target's values (no saved tensor with
       `strict=False`, left out by `filter_spec`, or given no source by `rename`).
-    - `unused`: saved names no target leaf takes.
+    - `unused`: saved names no target leaf takes (the saved tensors under a sub-tree that
+      `filter_spec` leaves out whole are expected to go unused, and not listed).
     - `problems`: what the restore would refuse, one line each, naming the leaf.
     - `call`: the call that reads this checkpoint with the same arguments:
       `"restore_checkpoint"` (also `CheckpointManager.restore` and, for a Hugging Face
       layout, `eqx_train.interop.load_sharded`), or `"load_flax_checkpoint"` /
       `"load_orbax_checkpoint"` for a flax or Orbax path, which `restore_checkpoint`
       refuses naming that call.
+    - `transformed`: target name -> (saved shape, shape after `transform`), for the taken
+      leaves that `transform` changes on the way in.
     """
 
     path: str
@@ -44,6 +47,7 @@ class RestorePlan:
     unused: list[str]
     problems: list[str]
     call: str = "restore_checkpoint"
+    transformed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -56,12 +60,16 @@ class RestorePlan:
     def __str__(self) -> str:
         rows = [("target", "saved", "")]
         for name, saved in self.taken.items():
+            actions = []
+            if name in self.transformed:
+                before, after = self.transformed[name]
+                actions.append(f"transformed {before} -> {after}")
             if name in self.cast:
                 before, after = self.cast[name]
-                action = f"cast {before} -> {after}"
-            else:
-                action = "taken" if saved == name else "taken, renamed"
-            rows.append((name, saved, action))
+                actions.append(f"cast {before} -> {after}")
+            if not actions:
+                actions.append("taken" if saved == name else "taken, renamed")
+            rows.append((name, saved, ", ".join(actions)))
         rows += [(name, "-", "kept (target's value)") for name in self.kept]
         rows += [("-", name, "unused") for name in self.unused]
         width = [max(len(row[i]) for row in rows) for i in range(2)]
@@ -87,6 +95,7 @@ def plan_restore(
     filter_spec: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     config: _selection.Config = "target",
+    transform: _transform.Transform = None,
 ) -> RestorePlan:
     """What `restore_checkpoint(ckpt_dir, target, ...)` with the same arguments would do,
     read from the checkpoint's headers only (no tensor data), by the restore's own
@@ -101,12 +110,14 @@ def plan_restore(
     - `target`: the pytree a restore would fill (arrays or `jax.ShapeDtypeStruct`s), or
       None: every tensor taken as saved (then `rename`, `casting` and `filter_spec`,
       which apply to a target's leaves, are refused).
-    - `strict`, `rename`, `casting`, `filter_spec`, `config`: as for `restore_checkpoint`.
+    - `strict`, `rename`, `casting`, `filter_spec`, `config`, `transform`: as for
+      `restore_checkpoint`. Each transform is evaluated with `jax.eval_shape` on the saved
+      tensor's shape and dtype, so the plan knows its output without reading data.
 
     **Returns:**
 
-    A `RestorePlan`: `taken`, `cast`, `kept`, `unused`, `problems`, `ok`; print it for a
-    table. Its `problems` are the lines the restore's error would list.
+    A `RestorePlan`: `taken`, `cast`, `transformed`, `kept`, `unused`, `problems`, `ok`;
+    print it for a table. Its `problems` are the lines the restore's error would list.
 
     **Raises:**
 
@@ -116,7 +127,9 @@ def plan_restore(
     """
     caller = "plan_restore"
     _selection.check_config(config, caller)
-    _matching.check_options(casting, rename, caller, target=target, filter_spec=filter_spec)
+    _matching.check_options(
+        casting, rename, caller, target=target, filter_spec=filter_spec, transform=transform
+    )
     store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
     try:
         entry, _ = _restore._resolve(store, where, step, prefix)
@@ -141,6 +154,7 @@ def plan_restore(
             config=config,
             filter_spec=filter_spec,
             caller=caller,
+            transform=transform,
         )
         return RestorePlan(
             reader.path,
@@ -150,4 +164,5 @@ def plan_restore(
             list(found.unused),
             list(found.problems),
             call,
+            dict(found.transformed),
         )

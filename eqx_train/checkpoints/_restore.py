@@ -29,7 +29,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from .._tree import weak_like
-from . import _directory, _matching, _names, _read_once, _selection
+from . import _directory, _matching, _names, _read_once, _selection, _transform
 from ._description import LeafKind, rebuild
 from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader
@@ -182,6 +182,7 @@ def restore_entry(
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
     replica_parallel: bool = True,
+    transform: _transform.Transform = None,
 ) -> T:
     """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
     directly) into `target`. Raises `FileNotFoundError` if
@@ -199,6 +200,7 @@ def restore_entry(
             rename=rename,
             casting=casting,
             replica_parallel=replica_parallel,
+            transform=transform,
         )
 
 
@@ -232,6 +234,8 @@ def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _fail(path: str, problems: list[str], strict: bool, caller: str, hint: str = "") -> None:
+    """Raises the `ValueError` listing `problems`; `strict` says whether `strict=False` is
+    worth suggesting (not when no leaf is in both)."""
     listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
     listed += f"\n  ... and {more} more" if more > 0 else ""
@@ -257,17 +261,19 @@ def restore_from(
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
     replica_parallel: bool = True,
+    transform: _transform.Transform = None,
 ) -> Any:
     """`target` filled from `reader` (or, for `target=None`, the tree as saved).
 
     `_matching.match` pairs every data leaf of `target` with a saved tensor (by name through
-    `rename`; shape, dtype or a cast `casting` allows, PRNG key implementation; with
-    `strict`, nothing missing or extra; `filter_spec` and `config` as in `_selection`),
-    every problem listed in one `ValueError`, before any tensor data is read. Then only the
-    tensors needed are read: whole, a window of `host_window_bytes` at a time (background
-    threads read, verify, cast and place several leaves at once while the caller waits for
-    earlier ones to reach their devices), or device block by device block for a sharded
-    target (`_blockwise`). `caller` names the public function in errors. With
+    `rename`; through `transform`; shape, dtype or a cast `casting` allows, PRNG key
+    implementation; with `strict`, nothing missing or extra; `filter_spec` and `config` as
+    in `_selection`), every problem listed in one `ValueError`, before any tensor data is
+    read. Then only the tensors needed are read: whole, a window of `host_window_bytes` at
+    a time (background threads read, verify, transform, cast and place several leaves at
+    once while the caller waits for earlier ones to reach their devices), or device block
+    by device block for a sharded target (`_blockwise`; never a transformed leaf, whose
+    blocks are not blocks of the saved tensor). `caller` names the public function in errors. With
     `strict=False`, a `PartialRestoreWarning` says what did not match. With
     `replica_parallel`, a block the target places on several processes is read once across
     them (`_read_once`).
@@ -295,24 +301,35 @@ def restore_from(
         config=config,
         filter_spec=filter_spec,
         caller=caller,
+        transform=transform,
     )
     if found.problems:
         # A file whose header was corrupted can look like a mismatch: its checksums say which.
         for name in found.mismatched:
             reader.read(name, verify=True)
-        _fail(reader.path, found.problems, strict, caller, found.hint)
+        _fail(reader.path, found.problems, strict and not found.nothing_found, caller, found.hint)
     available, leaves, problems = reader.arrays(), found.leaves, []
 
-    def nbytes(name: str) -> int:  # held on the host: the saved bytes, and any cast copy
+    def nbytes(name: str) -> int:
+        """Held on the host: the saved bytes, any cast copy, and each transform's output
+        (with its cast copy)."""
         shape, dtype = available[name]
-        return math.prod(shape) * max(
-            [dtype.itemsize] + [2 * s.cast.itemsize for s in whole[name] if s.cast is not None]
+        held = math.prod(shape) * max(
+            [dtype.itemsize]
+            + [2 * s.cast.itemsize for s in whole[name] if s.cast is not None and not s.transform]
         )
+        for s in whole[name]:
+            if s.transform is not None and s.dtype is not None:
+                itemsize = s.dtype.itemsize + (s.cast.itemsize if s.cast is not None else 0)
+                held += math.prod(s.shape) * itemsize
+        return held
 
     whole: dict[str, list[_matching.Slot]] = {}  # saved name -> the leaves it fills
+    in_whole: set[int] = set()  # their indices
     for slot in found.slots:
-        if not _blockwise(reader, leaves[slot.index], slot.kind):
+        if slot.transform is not None or not _blockwise(reader, leaves[slot.index], slot.kind):
             whole.setdefault(slot.saved, []).append(slot)
+            in_whole.add(slot.index)
     targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
 
     def place_all(name: str, array: np.ndarray) -> list[tuple[_matching.Slot, Any, str]]:
@@ -320,9 +337,10 @@ def restore_from(
         placed, slots = [], whole[name]
         for slot in slots:
             try:
-                leaf = place(
-                    slot.kind, targets[slot.index], _matching.cast_on_host(array, slot.cast)
-                )
+                leaf = place(slot.kind, targets[slot.index], slot.host_array(array))
+            except _transform.TransformError as error:
+                placed.append((slot, None, f"'{slot.target}': from saved '{name}': {error}"))
+                continue
             except ValueError as error:
                 placed.append((slot, None, f"'{slot.target}': {error}"))
                 continue
@@ -348,7 +366,7 @@ def restore_from(
                     problems.append(problem)
                 else:
                     leaves[slot.index] = leaf
-    blockwise = [slot for slot in found.slots if slot.saved not in whole]
+    blockwise = [slot for slot in found.slots if slot.index not in in_whole]
     # Read once across processes: a tensor no cast changes, filling one leaf (a tensor tied
     # to several leaves may be placed differently for each).
     counts = collections.Counter(slot.saved for slot in blockwise)
@@ -372,21 +390,34 @@ def restore_from(
         else:
             read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
         leaves[slot.index] = weak_like(leaves[slot.index], read)
-    # Python scalars: a few bytes each, read outside the window.
-    config_arrays = reader.read_many(
-        list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
-    )
+    config_values = _config_values(reader, found, verify, parallel, problems)
     if problems:
         _fail(reader.path, problems, strict, caller)
-    differences = _selection.config_differences(
-        [(s.target, leaves[s.index], s.kind, config_arrays[s.saved]) for s in found.config_slots]
-    )
+    differences = _selection.config_differences(config_values)
     if differences:
         _selection.warn_config(reader.path, differences, caller)
     if not strict:
         _matching.warn_partial(reader.path, found, caller)
     _matching.warn_placeholders(reader.path, found, leaves, caller)
     return jtu.tree_unflatten(found.treedef, leaves)
+
+
+def _config_values(
+    reader: Reader, found: _matching.Match, verify: bool, parallel: bool, problems: list[str]
+) -> list[tuple[str, Any, LeafKind, np.ndarray]]:
+    """(name, target leaf, kind, saved value) of each Python scalar of an Equinox module the
+    file saved, to compare with the target's (read outside the window: a few bytes each);
+    a transform that fails on one adds to `problems`."""
+    arrays = reader.read_many(
+        list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
+    )
+    values = []
+    for s in found.config_slots:
+        try:
+            values.append((s.target, found.leaves[s.index], s.kind, s.host_array(arrays[s.saved])))
+        except _transform.TransformError as error:
+            problems.append(f"'{s.target}': from saved '{s.saved}': {error}")
+    return values
 
 
 def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:

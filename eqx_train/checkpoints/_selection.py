@@ -66,6 +66,27 @@ def selected(target: Any, filter_spec: Any) -> list[bool]:
     return found[0]
 
 
+def left_out_prefixes(names: Sequence[str], chosen: Sequence[bool]) -> set[str]:
+    """The names of the largest sub-trees `filter_spec` leaves out whole, from each leaf's
+    dotted name and whether it `chosen`: for every leaf left out, its shortest name prefix
+    (whole segments) under which no leaf is chosen; `""` (everything) when none is."""
+    if not any(chosen):
+        return {""}
+    heads = [name.split(".") for name in names]
+    holds_chosen = {
+        ".".join(parts[:i])
+        for parts, pick in zip(heads, chosen, strict=True)
+        if pick
+        for i in range(1, len(parts) + 1)
+    }
+    left_out = set()
+    for parts, pick in zip(heads, chosen, strict=True):
+        if not pick:
+            prefixes = (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            left_out.add(next((p for p in prefixes if p not in holds_chosen), ".".join(parts)))
+    return left_out
+
+
 def filtered_for_saving(target: Any, filter_spec: Any) -> Any:
     """`target` with the leaves `filter_spec` does not select replaced by `None`: they are
     not saved, and the file records `None` in their place."""
