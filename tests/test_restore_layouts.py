@@ -261,3 +261,57 @@ def test_an_orbax_checkpoint_loads_into_a_renamed_bfloat16_target_as_planned(tmp
     np.testing.assert_array_equal(
         np.asarray(restored["w"]).view(np.uint16), expected.view(np.uint16)
     )
+
+
+# ------------------------------------------------------------------ transform= in every reader
+
+KERNEL_IN_OUT = SAVED["encoder.fc1.weight"].T.copy()  # (4, 8): stored (in, out), as flax does
+
+
+def _write_transposed(tmp_path, layout: str) -> str:
+    """A path holding only KERNEL_IN_OUT, named `kernel`, in `layout`."""
+    if layout == "hf-single":
+        tmp_path.joinpath("hf").mkdir()
+        path = tmp_path / "hf" / "model.safetensors"
+        safetensors.numpy.save_file({"kernel": KERNEL_IN_OUT}, str(path), {"format": "pt"})
+        return str(path)
+    if layout == "hf-sharded":
+        save_sharded(tmp_path / "hf", {"kernel": KERNEL_IN_OUT}, max_shard_size=64)
+        return str(tmp_path / "hf")
+    if layout == "flax":
+        array = msgpack.ExtType(
+            1, msgpack.packb(((4, 8), "float32", KERNEL_IN_OUT.tobytes()), use_bin_type=True)
+        )
+        (tmp_path / "checkpoint_1").write_bytes(msgpack.packb({"kernel": array}))
+        return str(tmp_path)
+    ocp = pytest.importorskip("orbax.checkpoint")
+    ocp.PyTreeCheckpointer().save(tmp_path / "orbax", {"kernel": KERNEL_IN_OUT})
+    return str(tmp_path / "orbax")
+
+
+_LOADERS = {
+    "hf-single": load_sharded,
+    "hf-sharded": load_sharded,
+    "flax": load_flax_checkpoint,
+    "orbax": load_orbax_checkpoint,
+}
+
+
+@pytest.mark.parametrize("layout", list(_LOADERS))
+def test_every_reader_applies_transform_before_the_cast_as_planned(tmp_path, layout):
+    path = _write_transposed(tmp_path, layout)
+    target = {"weight": jnp.zeros((8, 4), jnp.bfloat16)}
+    options = {"rename": {"weight": "kernel"}, "casting": "same_kind"}
+    plan = plan_restore(path, target, **options)
+    assert not plan.ok and "permutation" in plan.problems[0]
+    options["transform"] = {"weight": lambda a: a.T}
+    plan = plan_restore(path, target, **options)
+    assert plan.ok and plan.transformed == {"weight": ((4, 8), (8, 4))}
+    restored = _LOADERS[layout](path, target, **options)
+    expected = SAVED["encoder.fc1.weight"].astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(restored["weight"]).view(np.uint16), expected.view(np.uint16)
+    )
+    if layout.startswith("hf"):  # restore_checkpoint reads the same paths
+        again = restore_checkpoint(path, target, **options)
+        np.testing.assert_array_equal(np.asarray(again["weight"]), np.asarray(restored["weight"]))

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from . import _matching, _restore, _selection, _window
+from . import _matching, _restore, _selection, _transform, _window
 from ._window import DEFAULT_HOST_WINDOW_BYTES
 
 
@@ -22,6 +22,7 @@ class RestoreOptions:
     rename: _matching.Rename = None
     casting: _matching.Casting = "no"
     filter_spec: Any = None
+    transform: _transform.Transform = None
     config: _selection.Config = "target"
     verify: bool = True
     parallel: bool = True
@@ -32,20 +33,15 @@ class RestoreOptions:
         target's leaves given with `target=None`); returns the options."""
         _selection.check_config(self.config, caller)
         _matching.check_options(
-            self.casting, self.rename, caller, target=target, filter_spec=self.filter_spec
+            self.casting,
+            self.rename,
+            caller,
+            target=target,
+            filter_spec=self.filter_spec,
+            transform=self.transform,
         )
         _window.check_window(self.host_window_bytes, caller)
         return self
-
-    def matching(self) -> dict[str, Any]:
-        """The options the matcher takes (`_matching.match`'s keywords)."""
-        return {
-            "strict": self.strict,
-            "rename": self.rename,
-            "casting": self.casting,
-            "config": self.config,
-            "filter_spec": self.filter_spec,
-        }
 
 
 def restore_with(reader: Any, target: Any, options: RestoreOptions, caller: str) -> Any:

@@ -77,3 +77,4 @@ from ._storage import (
     LocalStorage as LocalStorage,
     fsync_dir as fsync_dir,
 )
+from ._transform import Transform as Transform

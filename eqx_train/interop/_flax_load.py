@@ -19,6 +19,7 @@ from ..checkpoints.engine import (
     LocalSource,
     Rename,
     RestoreOptions,
+    Transform,
     is_orbax,
     restore_with,
 )
@@ -121,6 +122,7 @@ def load_flax_checkpoint(
     rename: Rename = None,
     casting: Casting = "no",
     filter_spec: Any = None,
+    transform: Transform = None,
 ) -> Any:
     """Reads a checkpoint written by `flax.training.checkpoints.save_checkpoint`, without flax.
 
@@ -139,7 +141,7 @@ def load_flax_checkpoint(
       exactly as `restore_checkpoint` matches: a target's names rarely equal flax's, so
       give `rename` (`plan_restore` on the same path shows the match first).
     - `prefix`: the file name prefix, as given to flax's `save_checkpoint`.
-    - `strict`, `rename`, `casting`, `filter_spec`: as for `restore_checkpoint`.
+    - `strict`, `rename`, `casting`, `filter_spec`, `transform`: as for `restore_checkpoint`.
 
     **Returns:**
 
@@ -158,7 +160,12 @@ def load_flax_checkpoint(
     """
     caller = "load_flax_checkpoint"
     options = RestoreOptions(
-        strict=strict, rename=rename, casting=casting, filter_spec=filter_spec, verify=False
+        strict=strict,
+        rename=rename,
+        casting=casting,
+        filter_spec=filter_spec,
+        transform=transform,
+        verify=False,
     ).check(caller, target)
     path = resolve_flax_path(os.fspath(path), prefix)
     if target is not None:

@@ -240,6 +240,7 @@ def load_sharded(
     rename: Rename = None,
     casting: Casting = "no",
     filter_spec: Any = None,
+    transform: engine.Transform = None,
     verify: bool = True,
     parallel: bool = True,
 ) -> Any:
@@ -265,8 +266,9 @@ def load_sharded(
       tree description, as nested dicts split on `.` (`{"layers": {"0": {"weight": ...}}}`),
       or a flat `{name: array}` dict when the names do not nest (as `restore_checkpoint`
       does for such files).
-    - `strict`, `rename`, `casting`, `filter_spec`: as for `restore_checkpoint` (a model
-      whose names, dtype or size differ from the saved one's: see
+    - `strict`, `rename`, `casting`, `filter_spec`, `transform`: as for
+      `restore_checkpoint` (a model whose names, dtype, layout or size differ from the
+      saved one's: see
       [When the model changed](../changed_model.md)).
     - `verify`: check each tensor against the checksum `save_sharded` recorded (files from
       other tools have none).
@@ -290,6 +292,7 @@ def load_sharded(
         rename=rename,
         casting=casting,
         filter_spec=filter_spec,
+        transform=transform,
         verify=verify,
         parallel=parallel,
     ).check(caller, target)

@@ -516,6 +516,7 @@ def load_orbax_checkpoint(
     rename: engine.Rename = None,
     casting: engine.Casting = "no",
     filter_spec: Any = None,
+    transform: engine.Transform = None,
 ) -> Any:
     """Reads an Orbax PyTree checkpoint, without orbax (through tensorstore).
 
@@ -539,9 +540,9 @@ def load_orbax_checkpoint(
       target's sharding; non-array leaves are kept from the target.
     - `item`: the item of a `CheckpointManager` step to read (required when the step has
       several).
-    - `strict`, `rename`, `casting`, `filter_spec`: as for `restore_checkpoint`, for a
-      target whose names, dtypes or size differ from the saved tree's (`plan_restore` on
-      the same path shows what a load will do).
+    - `strict`, `rename`, `casting`, `filter_spec`, `transform`: as for
+      `restore_checkpoint`, for a target whose names, dtypes, layouts or size differ from
+      the saved tree's (`plan_restore` on the same path shows what a load will do).
 
     **Returns:**
 
@@ -560,12 +561,18 @@ def load_orbax_checkpoint(
     shapes, missing data); `ValueError` for an ambiguous or unknown `item` (listing the
     items) and for a checkpoint that does not match `target`.
 
-    **Differences from orbax:** no `restore_args`/transforms; orbax's custom type handlers
-    and the pre-0.5 format (a `checkpoint` msgpack file, no `_METADATA`) are refused.
+    **Differences from orbax:** no `restore_args` (`transform=` reshapes tensors instead);
+    orbax's custom type handlers and the pre-0.5 format (a `checkpoint` msgpack file, no
+    `_METADATA`) are refused.
     """
     caller = "load_orbax_checkpoint"
     options = engine.RestoreOptions(
-        strict=strict, rename=rename, casting=casting, filter_spec=filter_spec, verify=False
+        strict=strict,
+        rename=rename,
+        casting=casting,
+        filter_spec=filter_spec,
+        transform=transform,
+        verify=False,
     ).check(caller, target)
     directory = resolve(os.fspath(path), item)
     with OrbaxReader(directory) as reader:
