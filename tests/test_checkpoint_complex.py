@@ -142,6 +142,35 @@ def test_a_file_without_complex128_has_no_complex128_list(tmp_path):
     assert "eqx_train.complex128" not in header["__metadata__"]
 
 
+def _format_version(path) -> str:
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return header["__metadata__"]["eqx_train.format_version"]
+
+
+def test_only_a_file_holding_complex128_is_written_as_format_version_2(tmp_path):
+    checkpoints.save_checkpoint(tmp_path / "plain", {"a": _c64(), "f": np.ones(2)}, 1)
+    checkpoints.save_checkpoint(tmp_path / "wide", {"b": _c128()}, 1)
+    checkpoints.save_checkpoint(tmp_path / "scalar", {"s": 1 + 2j}, 1)
+    assert _format_version(checkpoints.latest_checkpoint(tmp_path / "plain")) == "1"
+    assert _format_version(checkpoints.latest_checkpoint(tmp_path / "wide")) == "2"
+    assert _format_version(checkpoints.latest_checkpoint(tmp_path / "scalar")) == "2"
+
+
+def test_a_reader_of_version_1_refuses_complex128_as_newer_instead_of_float64_pairs(
+    tmp_path, monkeypatch
+):
+    # An eqx_train that reads version 1 only (every release before complex numbers) must not
+    # return the (real, imaginary) float64 pairs as if they were the saved values.
+    from eqx_train.checkpoints import _format
+
+    checkpoints.save_checkpoint(tmp_path, {"b": _c128()}, 1)
+    monkeypatch.setattr(_format, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(_format, "_READABLE_VERSIONS", frozenset({"1"}))
+    with pytest.raises(checkpoints.NewerFormatError, match="newer eqx_train"):
+        checkpoints.restore_checkpoint(tmp_path, None)
+
+
 def test_a_flipped_bit_in_a_complex128_tensor_fails_its_checksum_naming_it(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"b": np.full(4, 1 + 1j, np.complex128)}, 1)
     path = checkpoints.latest_checkpoint(tmp_path)

@@ -36,10 +36,10 @@ def test_target_options_with_target_none_are_refused_not_ignored(tmp_path, optio
 
 
 def _bump_format_version(path):
-    """The file as a newer eqx_train (format version 2) would write it: same length."""
+    """The file as a newer eqx_train (format version 3) would write it: same length."""
     raw = bytearray(pathlib.Path(path).read_bytes())
     at = raw.index(b'"eqx_train.format_version":"1"')
-    raw[at : at + 30] = b'"eqx_train.format_version":"2"'
+    raw[at : at + 30] = b'"eqx_train.format_version":"3"'
     pathlib.Path(path).write_bytes(raw)
 
 

@@ -12,7 +12,8 @@ page or on 64 bytes; the header lists them in tree order.
 The header maps each tensor name (the leaf's key path joined by '.') to its dtype, shape and
 byte range, and holds `__metadata__` (string -> string) with our keys (named in `_names`):
 
-- `eqx_train.format` / `eqx_train.format_version`: "eqx_train.checkpoint" / "1"
+- `eqx_train.format` / `eqx_train.format_version`: "eqx_train.checkpoint" / "1" ("2" when the
+  file holds a complex128 tensor, so that readers of version 1 refuse it)
 - `eqx_train.step`: the step, as JSON
 - `eqx_train.tree`: the tree description (JSON, see `_description`), enough to rebuild the
   pytree without a target
@@ -60,6 +61,7 @@ from ._names import (
     FORMAT_VERSION,
     FORMAT_VERSION_KEY,
     METADATA_KEY,
+    PLAIN_FORMAT_VERSION,
     STEP_KEY,
     TREE_KEY,
 )
@@ -107,12 +109,13 @@ def base_metadata(step_text: str, description: Any) -> dict[str, str]:
     """The `__metadata__` entries every eqx_train checkpoint (file or index) carries."""
     return {
         FORMAT_KEY: FORMAT_NAME,
-        FORMAT_VERSION_KEY: str(FORMAT_VERSION),
+        FORMAT_VERSION_KEY: str(PLAIN_FORMAT_VERSION),
         STEP_KEY: step_text,
         TREE_KEY: json.dumps(description, separators=(",", ":")),
     }
 
 
+_READABLE_VERSIONS = frozenset(map(str, range(PLAIN_FORMAT_VERSION, FORMAT_VERSION + 1)))
 _COMPLEX128 = np.dtype(np.complex128)
 # What a header may name: every dtype of the table but complex128, which it stores as F64.
 _HEADER_CODES = {code: d for code, d in CODE_TO_DTYPE.items() if d != _COMPLEX128}
@@ -133,7 +136,11 @@ def _encode_header(
     """The header: `tensors` listed in tree order, their bytes laid out in `file_order`."""
     wide = [t.name for t in tensors if t.dtype == _COMPLEX128]
     if wide:  # sealed by the checksum table like every other metadata value
-        metadata = {**metadata, COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False)}
+        metadata = {
+            **metadata,
+            FORMAT_VERSION_KEY: str(FORMAT_VERSION),  # readers of version 1 refuse it as newer
+            COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False),
+        }
     checksums = {
         "algorithm": CHECKSUM_ALGORITHM,
         "metadata": {key: text_digest(value) for key, value in metadata.items()},
@@ -418,10 +425,10 @@ class FileReader(ReaderBase):
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self.bad("__metadata__ must map strings to strings")
         version = metadata.get(FORMAT_VERSION_KEY)
-        if version is not None and version != str(FORMAT_VERSION):
+        if version is not None and version not in _READABLE_VERSIONS:
             why = (
                 f"it has eqx_train format version {short(version)}; this eqx_train reads "
-                f"version {FORMAT_VERSION}"
+                f"versions {PLAIN_FORMAT_VERSION} to {FORMAT_VERSION}"
             )
             # ASCII digits only: `isdigit()` also accepts "²" (which `int()` refuses) and
             # every script's digits ("١"), none of which a writer of this format spells.

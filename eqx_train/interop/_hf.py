@@ -153,7 +153,7 @@ def save_sharded(
     base = {
         engine.HF_FORMAT_KEY: engine.HF_FORMAT_PT,
         engine.FORMAT_KEY: engine.FORMAT_NAME,
-        engine.FORMAT_VERSION_KEY: str(engine.FORMAT_VERSION),
+        engine.FORMAT_VERSION_KEY: str(engine.PLAIN_FORMAT_VERSION),
     }
     if len(groups) == 1:
         # One file: an ordinary eqx_train checkpoint file (without a step).
@@ -162,7 +162,7 @@ def save_sharded(
         plans = [(n, g, {**base, HF_SAVE_KEY: token}) for n, g in zip(names, groups, strict=True)]
     for _, group, metadata in plans:
         engine.check_header_size(group, metadata, caller)
-    os.makedirs(directory, exist_ok=True)
+    _LOCAL.makedirs(directory)  # its entry in the parent durable, as a checkpoint's
     _remove_dead_temporaries(directory)
     if len(groups) > 1:
         _uncommit_foreign_index(directory, names)
@@ -176,7 +176,7 @@ def save_sharded(
             "metadata": {
                 "total_size": sum(_nbytes(t) for t in tensors),
                 engine.FORMAT_KEY: engine.HF_INDEX_FORMAT,
-                engine.FORMAT_VERSION_KEY: str(engine.FORMAT_VERSION),
+                engine.FORMAT_VERSION_KEY: str(engine.PLAIN_FORMAT_VERSION),
                 HF_SAVE_KEY: token,
                 engine.TREE_KEY: tree_text,
                 engine.HF_TREE_CHECKSUM_KEY: engine.text_digest(tree_text),
