@@ -346,3 +346,11 @@ def test_every_reader_applies_transform_before_the_cast_as_planned(tmp_path, lay
     if layout.startswith("hf"):  # restore_checkpoint reads the same paths
         again = restore_checkpoint(path, target, **options)
         np.testing.assert_array_equal(np.asarray(again["weight"]), np.asarray(restored["weight"]))
+
+
+def test_a_dangling_model_safetensors_link_is_an_error_not_the_target(tmp_path):
+    # A Hugging Face cache snapshot whose blob never finished downloading.
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / "missing")
+    for call in (restore_checkpoint, plan_restore):
+        with pytest.raises(FileNotFoundError, match="model.safetensors"):
+            call(str(tmp_path), _target())

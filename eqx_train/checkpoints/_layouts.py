@@ -74,7 +74,9 @@ def hf_file(directory: str) -> str | None:
     """The file of a local Hugging Face directory: `model.safetensors` when present (as
     `transformers` prefers it), else its index; None when it holds neither."""
     single = os.path.join(directory, _names.HF_SINGLE_NAME)
-    if os.path.isfile(single):
+    # A dangling link (a Hugging Face cache's blob not downloaded) is weights that cannot be
+    # read, not an empty directory: it is named when opened.
+    if os.path.isfile(single) or os.path.islink(single):
         return single
     index = os.path.join(directory, _names.HF_INDEX_NAME)
     return index if os.path.lexists(index) else None
