@@ -155,7 +155,7 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     over a read-only buffer NumPy refuses that."""
     # No copy for what the readers return (`np.ascontiguousarray` would make a 0-d one 1-d).
     contiguous = array if array.flags.c_contiguous else array.copy(order="C")
-    raw = memoryview(contiguous.reshape(-1).view(np.uint8)).toreadonly()
+    raw = contiguous.reshape(-1).view(np.uint8).data.toreadonly()
     # `np.frombuffer` keeps the read-only buffer as the base (`np.ndarray(buffer=...)`
     # would look through it to the writable array).
     return np.frombuffer(raw, contiguous.dtype).reshape(contiguous.shape)
