@@ -214,6 +214,37 @@ def test_a_directory_of_foreign_weights_never_returns_the_target_unchanged(
         restore_checkpoint(str(tmp_path), _target())
 
 
+FOREIGN_DIRECTORIES = [
+    ("checkpoint_7", _flax_bytes(), "flax msgpack checkpoints.*load_flax_checkpoint"),
+    ("flax_model.msgpack", _flax_bytes(), "flax msgpack checkpoints.*load_flax_checkpoint"),
+    ("pytorch_model.bin", pickle.dumps({}, protocol=2), "PyTorch pickles.*torch.load"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, content, message", FOREIGN_DIRECTORIES, ids=["flax", "hf-flax", "torch"]
+)
+def test_a_foreign_directory_on_an_object_store_never_returns_the_target_unchanged(
+    name, content, message
+):
+    import fsspec
+
+    directory = f"memory://foreign-{name}"
+    fsspec.filesystem("memory").pipe(f"{directory}/{name}", content)
+    try:
+        with pytest.raises(CheckpointFormatError, match=message):
+            restore_checkpoint(directory, _target())
+    finally:
+        fsspec.filesystem("memory").rm(directory, recursive=True)
+
+
+def test_a_hugging_face_flax_msgpack_is_refused_naming_load_flax_checkpoint(tmp_path):
+    # What a Hugging Face repository holds beside (or instead of) model.safetensors.
+    (tmp_path / "flax_model.msgpack").write_bytes(_flax_bytes())
+    with pytest.raises(CheckpointFormatError, match="flax msgpack.*load_flax_checkpoint"):
+        restore_checkpoint(str(tmp_path), _target())
+
+
 def test_an_index_of_pytorch_shards_is_refused_naming_torch_load(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         '{"metadata": {}, "weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}'
@@ -315,3 +346,11 @@ def test_every_reader_applies_transform_before_the_cast_as_planned(tmp_path, lay
     if layout.startswith("hf"):  # restore_checkpoint reads the same paths
         again = restore_checkpoint(path, target, **options)
         np.testing.assert_array_equal(np.asarray(again["weight"]), np.asarray(restored["weight"]))
+
+
+def test_a_dangling_model_safetensors_link_is_an_error_not_the_target(tmp_path):
+    # A Hugging Face cache snapshot whose blob never finished downloading.
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / "missing")
+    for call in (restore_checkpoint, plan_restore):
+        with pytest.raises(FileNotFoundError, match="model.safetensors"):
+            call(str(tmp_path), _target())

@@ -119,6 +119,39 @@ def test_the_transform_receives_the_saved_tensor_as_read_only_numpy(directory):
     assert sorted(received) == [(np.float32, (4, 9), False), (np.float32, (8, 16), False)]
 
 
+def test_a_transform_cannot_make_its_input_writable_and_change_a_tied_leaf(directory):
+    # Two targets take the saved QKV: one through a transform that tries to write into its
+    # input, one as saved. The saved bytes are the other leaf's too: they must not change.
+    refusals = []
+
+    def scribble(array):
+        if isinstance(array, np.ndarray):
+            try:
+                array.flags.writeable = True
+                array[...] = -1
+            except ValueError as error:
+                refusals.append(str(error))
+        return array
+
+    restored = restore_checkpoint(
+        directory,
+        {"scribbled": jnp.zeros((4, 9)), "qkv": jnp.zeros((4, 9)), "w": jnp.zeros((8, 16))},
+        rename={"scribbled": "qkv"},
+        transform={"scribbled": scribble},
+    )
+    assert len(refusals) == 1
+    assert_trees_equal(restored["qkv"], jnp.asarray(QKV))
+    assert_trees_equal(restored["scribbled"], jnp.asarray(QKV))
+
+
+def test_a_transform_of_a_scalar_and_a_zero_size_tensor_keeps_their_shapes(tmp_path):
+    checkpoints.save_checkpoint(tmp_path, {"s": np.float32(3), "z": np.zeros((0, 2))}, 1)
+    restored = restore_checkpoint(
+        tmp_path, {"s": jnp.zeros(()), "z": np.ones((0, 2))}, transform=lambda _, a: a * 2
+    )
+    assert_trees_equal(restored, {"s": jnp.asarray(6, jnp.float32), "z": np.zeros((0, 2))})
+
+
 def test_the_transform_runs_before_the_cast_into_bfloat16(directory):
     dtypes = []
 

@@ -63,3 +63,8 @@ def test_strict_user_strategies_build(user):
 
 def test_strict_user_roundtrip_law(user, tmp_path):
     user.roundtrip_law(str(tmp_path))
+
+
+def test_strict_user_fine_tunes_with_transforms(user, tmp_path):
+    state = user.fine_tune(str(tmp_path))
+    assert int(state.step) == 0

@@ -447,6 +447,7 @@ def restore_checkpoint(
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
     replica_parallel: bool = True,
+    transform: _transform.Transform = None,
 ) -> Any: ...
 
 
@@ -467,6 +468,7 @@ def restore_checkpoint(
     rename: _matching.Rename = None,
     casting: _matching.Casting = "no",
     replica_parallel: bool = True,
+    transform: _transform.Transform = None,
 ) -> T: ...
 
 

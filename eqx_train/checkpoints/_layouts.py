@@ -30,6 +30,7 @@ Foreign = Literal["flax", "orbax", "torch", "hf-index", "json", "safetensors"]
 _SNIFF_BYTES = 16
 _INDEX_SUFFIX = ".index.json"
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+_MSGPACK_SUFFIX = ".msgpack"
 _ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "checkpoint")
 _TORCH_HOW = (
     "load it with torch.load(path, weights_only=True) and pass the state dict to "
@@ -73,7 +74,9 @@ def hf_file(directory: str) -> str | None:
     """The file of a local Hugging Face directory: `model.safetensors` when present (as
     `transformers` prefers it), else its index; None when it holds neither."""
     single = os.path.join(directory, _names.HF_SINGLE_NAME)
-    if os.path.isfile(single):
+    # A dangling link (a Hugging Face cache's blob not downloaded) is weights that cannot be
+    # read, not an empty directory: it is named when opened.
+    if os.path.isfile(single) or os.path.islink(single):
         return single
     index = os.path.join(directory, _names.HF_INDEX_NAME)
     return index if os.path.lexists(index) else None
@@ -184,26 +187,23 @@ def _kind(found: ForeignCheckpointError | None) -> str | None:
 def foreign_directory(store: Storage, path: str, prefix: str) -> Location | None:
     """For a directory with no checkpoint of ours in it: the Hugging Face file to read from
     it (on an object store), or `ForeignCheckpointError` naming the weights it holds and the
-    call that reads them; None when it holds no weights (a new run's directory)."""
+    call that reads them; None when it holds no weights (a new run's directory). Files are
+    judged alike on a local disk and an object store (one listing, and the first bytes of
+    each file that may be flax msgpack); Orbax directories are recognised on a local disk."""
     if not store.is_local:
         single = store.join(path, _names.HF_SINGLE_NAME)
         if store.exists(single):
             return Location(single, "hf")
         index = store.join(path, _names.HF_INDEX_NAME)
-        return Location(index, "hf") if store.exists(index) else None
-    if _orbax_within(path):
+        if store.exists(index):
+            return Location(index, "hf")
+    elif _orbax_within(path):
         raise ForeignCheckpointError(path, "orbax", "a directory of Orbax checkpoints")
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return None
-    files = [
-        n
-        for n in names
-        if not n.startswith(".")
-        and _names.parse_temp(n) is None
-        and os.path.isfile(os.path.join(path, n))
-    ]
+    files = sorted(
+        item.name
+        for item in store.list(path)
+        if item.is_file and not item.name.startswith(".") and _names.parse_temp(item.name) is None
+    )
     torch = [n for n in files if n.endswith(_TORCH_SUFFIXES)]
     if torch:
         raise ForeignCheckpointError(
@@ -212,9 +212,10 @@ def foreign_directory(store: Storage, path: str, prefix: str) -> Location | None
     flax = [
         n
         for n in files
-        if n.startswith(prefix)
+        # Ours by name, or Hugging Face's flax_model.msgpack.
+        if (n.startswith(prefix) or n.endswith(_MSGPACK_SUFFIX))
         and not n.endswith(".safetensors")
-        and _kind(sniff_file(store, os.path.join(path, n))) == "flax"
+        and _kind(sniff_file(store, store.join(path, n))) == "flax"
     ]
     if flax:
         raise ForeignCheckpointError(

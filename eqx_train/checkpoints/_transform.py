@@ -124,10 +124,8 @@ def apply(fn: Callable[[Any], Any], array: np.ndarray, shape: Shape, dtype: np.d
     **Raises:**
 
     `TransformError` when `fn` raises or returns something else."""
-    view = array.view()
-    view.flags.writeable = False
     try:
-        out = fn(view)
+        out = fn(_read_only(array))
     except Exception as error:
         raise TransformError(
             f"the transform raised {type(error).__name__} on the saved tensor "
@@ -148,6 +146,19 @@ def apply(fn: Callable[[Any], Any], array: np.ndarray, shape: Shape, dtype: np.d
             )
         )
     return result if result.flags.c_contiguous else np.ascontiguousarray(result)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """`array`'s bytes seen through a read-only buffer. A view merely flagged read-only can
+    be flagged writable again (`a.flags.writeable = True`) when the memory under it is, and
+    a transform writing there would change every other leaf cut from the same saved tensor;
+    over a read-only buffer NumPy refuses that."""
+    # No copy for what the readers return (`np.ascontiguousarray` would make a 0-d one 1-d).
+    contiguous = array if array.flags.c_contiguous else array.copy(order="C")
+    raw = contiguous.reshape(-1).view(np.uint8).data.toreadonly()
+    # `np.frombuffer` keeps the read-only buffer as the base (`np.ndarray(buffer=...)`
+    # would look through it to the writable array).
+    return np.frombuffer(raw, contiguous.dtype).reshape(contiguous.shape)
 
 
 def permutation_hint(name: str, saved: Shape, target: Shape) -> str:

@@ -152,3 +152,21 @@ def roundtrip_law(directory: str) -> None:
     restored = assert_checkpoint_roundtrip(state, directory)
     assert_type(restored, TrainState[eqx.nn.MLP])
     assert_trees_equal(restored, state)
+
+
+def kernel_as_laid_out(name: str, saved: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """A function transform (here a reshape to the saved tensor's own shape, for kernels)."""
+    return saved.reshape(saved.shape) if name.endswith("weight") else None
+
+
+def fine_tune(directory: str) -> TrainState[eqx.nn.MLP]:
+    """`transform=` in both of its forms, as a fine-tuner passes it to every restore call."""
+    state = make_state()
+    path: str = save_checkpoint(directory, state, step=1)
+    flipped = restore_checkpoint(path, state, transform=kernel_as_laid_out)
+    assert_type(flipped, TrainState[eqx.nn.MLP])
+    kept = restore_checkpoint(path, state, transform={"opt_state": lambda a: a})
+    assert_type(kept, TrainState[eqx.nn.MLP])
+    as_saved = restore_checkpoint(path, None, transform=None)
+    assert_type(as_saved, Any)
+    return kept
