@@ -29,7 +29,10 @@ _RESTORE = checkpoints.restore_checkpoint
 
 
 def _as_jax(x):
-    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
+    # Only where JAX keeps the dtype: without x64 it narrows float64/complex128 (with an
+    # overflow warning for values out of the narrower range).
+    keeps = isinstance(x, np.ndarray) and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
+    return jnp.asarray(x) if keeps else x
 
 
 TREES = {

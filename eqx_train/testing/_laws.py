@@ -136,11 +136,14 @@ def _is_key(x: Any) -> bool:
 
 def _flipped(values: np.ndarray) -> np.ndarray:
     """Every element with every bit flipped (booleans negated): no element keeps its bits,
-    whatever the dtype (-0.0, NaN payloads, bfloat16, float8 included)."""
-    values = np.array(values, order="C")  # a copy; `~` makes a 0-d array a scalar
+    whatever the dtype (-0.0, NaN payloads, bfloat16, float8, complex128 included)."""
+    values = np.asarray(values)
     if values.dtype == np.bool_:
-        return np.asarray(~values)
-    return np.asarray(~values.view(np.dtype(f"u{values.dtype.itemsize}"))).view(values.dtype)
+        return np.asarray(np.logical_not(values))
+    # Byte by byte: no unsigned integer is as wide as a complex128, and a flat copy also
+    # keeps a 0-d array an array (`~` on one gives a scalar).
+    flat = np.array(values, order="C").reshape(-1)
+    return (~flat.view(np.uint8)).view(values.dtype).reshape(values.shape)
 
 
 def _other_leaf(x: Any) -> Any:
