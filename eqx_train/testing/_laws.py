@@ -140,7 +140,9 @@ def _flipped(values: np.ndarray) -> np.ndarray:
     values = np.array(values, order="C")  # a copy; `~` makes a 0-d array a scalar
     if values.dtype == np.bool_:
         return np.asarray(~values)
-    return np.asarray(~values.view(np.dtype(f"u{values.dtype.itemsize}"))).view(values.dtype)
+    # Byte by byte: no unsigned integer is as wide as a complex128.
+    flat = np.asarray(~values.reshape(-1).view(np.uint8))
+    return flat.view(values.dtype).reshape(values.shape)
 
 
 def _other_leaf(x: Any) -> Any:
