@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._close import close
 from .._tree import is_state, state_entries
 
 __all__ = ["assert_trees_equal"]
@@ -98,23 +99,6 @@ def _first_index(mask: np.ndarray, shape: tuple[int, ...]) -> str:
     return str(tuple(int(i) for i in index))
 
 
-def _close(x: np.ndarray, y: np.ndarray, rtol: float | int, atol: float | int) -> np.ndarray:
-    """Which elements of two float64 or complex128 arrays lie within `atol + rtol * |y|`:
-    an infinity only of itself, NaN of NaN; a complex with a NaN part part by part."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        close = np.abs(x - y) <= atol + rtol * np.abs(y)
-    # An infinity is close only to itself (|inf - x| <= rtol * inf would hold for any x).
-    close &= np.isfinite(x) & np.isfinite(y)
-    close |= x == y
-    if x.dtype.kind != "c":
-        return close | (np.isnan(x) & np.isnan(y))
-    # A NaN in one part must neither hide the other part's difference nor match a NaN in
-    # the other part: each part compared as a float.
-    pairs = [np.stack([v.real, v.imag], axis=-1) for v in (x, y)]
-    by_parts = _close(*pairs, rtol, atol).all(axis=-1)
-    return close | ((np.isnan(x) | np.isnan(y)) & by_parts)
-
-
 def _value_difference(
     a: np.ndarray, b: np.ndarray, rtol: float | int, atol: float | int
 ) -> str | None:
@@ -141,7 +125,7 @@ def _value_difference(
             a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
             b.astype(np.complex128 if b.dtype.kind == "c" else np.float64),
         )
-        differs = ~_close(x, y, rtol, atol).reshape(-1)
+        differs = ~close(x, y, rtol, atol).reshape(-1)
     count = int(np.count_nonzero(differs))
     if count == 0:
         return None
