@@ -21,6 +21,6 @@ def close(x: np.ndarray, y: np.ndarray, rtol: float | int, atol: float | int) ->
     near |= x == y
     if x.dtype.kind != "c":
         return near | (np.isnan(x) & np.isnan(y))
-    pairs = [np.stack([v.real, v.imag], axis=-1) for v in (x, y)]
-    by_parts = close(*pairs, rtol, atol).all(axis=-1)
+    part_x, part_y = (np.stack([np.real(v), np.imag(v)], axis=-1) for v in (x, y))
+    by_parts = close(part_x, part_y, rtol, atol).all(axis=-1)
     return near | ((np.isnan(x) | np.isnan(y)) & by_parts)
