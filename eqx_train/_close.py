@@ -20,7 +20,7 @@ def close(x: np.ndarray, y: np.ndarray, rtol: float | int, atol: float | int) ->
     near &= np.isfinite(x) & np.isfinite(y)
     near |= x == y
     if x.dtype.kind != "c":
-        return near | (np.isnan(x) & np.isnan(y))
+        return np.asarray(near | (np.isnan(x) & np.isnan(y)))  # 0-d inputs give a NumPy bool
     part_x, part_y = (np.stack([np.real(v), np.imag(v)], axis=-1) for v in (x, y))
     by_parts = close(part_x, part_y, rtol, atol).all(axis=-1)
-    return near | ((np.isnan(x) | np.isnan(y)) & by_parts)
+    return np.asarray(near | ((np.isnan(x) | np.isnan(y)) & by_parts))
