@@ -31,12 +31,15 @@ _MAX_CPU_DEVICES = 1024
 def _device_count(text: str) -> int:
     """`--cpu-devices`'s value: a count in ASCII digits from 1 to `_MAX_CPU_DEVICES` (not
     `int()`, which also reads "+1", " 1", "1_0" and every script's digits)."""
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= _MAX_CPU_DEVICES:
+    # Past its leading zeros, no longer than the maximum: `int()` refuses 4300 digits.
+    digits = text.lstrip("0") if text.isascii() and text.isdigit() else ""
+    if len(digits) > len(str(_MAX_CPU_DEVICES)) or not 1 <= int(digits or "0") <= _MAX_CPU_DEVICES:
+        shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
         raise pytest.UsageError(
-            f"--cpu-devices {text!r}: give a number of CPU devices from 1 to "
+            f"--cpu-devices {shown}: give a number of CPU devices from 1 to "
             f"{_MAX_CPU_DEVICES}, in digits."
         )
-    return int(text)
+    return int(digits)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ._cli_listing import key_lines, listing_lines
+from ._close import close
 from .checkpoints import engine
 from .checkpoints.engine import CheckpointFormatError, FileReader, IndexReader, short
 from .interop import engine as interop
@@ -342,10 +343,7 @@ def _difference(
     # inf - inf is NaN and 1.7e308 - -1.7e308 overflows to inf: both are meant.
     with np.errstate(invalid="ignore", over="ignore"):
         if atol or rtol:
-            same_parts = (nan_a & nan_b) | (_parts(wide_a) == _parts(wide_b))
-            both_nan = (nan_a & nan_b).any(axis=-1) & same_parts.all(axis=-1)
-            close = np.abs(wide_a - wide_b) <= atol + rtol * np.abs(wide_b)
-            differs = ~(close | (wide_a == wide_b) | both_nan)
+            differs = ~close(wide_a, wide_b, rtol, atol)
         else:
             part_a, part_b = _parts(a), _parts(b)
             size = part_a.dtype.itemsize

@@ -29,10 +29,12 @@ _RESTORE = checkpoints.restore_checkpoint
 
 
 def _as_jax(x):
-    # Only where JAX keeps the dtype: without x64 it narrows float64/complex128 (with an
-    # overflow warning for values out of the narrower range).
-    keeps = isinstance(x, np.ndarray) and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
-    return jnp.asarray(x) if keeps else x
+    """A NumPy array as a `jax.Array`, when JAX keeps its dtype: one it would narrow
+    without x64 (float64, complex128, int64) stays NumPy, since narrowing a value out of
+    the narrower range (a complex128 part of 1e200) warns, which the suite makes an error."""
+    if isinstance(x, np.ndarray) and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+        return jnp.asarray(x)
+    return x
 
 
 TREES = {

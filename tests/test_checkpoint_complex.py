@@ -410,3 +410,34 @@ def test_the_cli_inspects_verifies_and_diffs_complex_tensors_part_by_part(tmp_pa
     differs = _cli("diff", tmp_path / "a", tmp_path / "b")
     assert differs.returncode == 1
     assert "differs: z complex128[2]: 1 of 2 elements" in differs.stdout
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_assert_trees_equal_within_a_tolerance_compares_each_part_of_a_complex(dtype):
+    """NaN equals NaN part by part: a NaN in one part neither hides the other part's
+    difference nor equals a NaN in the other part."""
+    part = np.float32 if dtype == np.complex64 else np.float64
+
+    def make(real, imag):
+        return np.array([real, imag], part).view(dtype)
+
+    tolerance = {"atol": 0.5}
+    for a, b in [
+        (make(np.nan, 1.0), make(np.nan, 1.0)),
+        (make(np.nan, 1.0), make(np.nan, 1.25)),  # the other part within the tolerance
+        (make(2.0, np.nan), make(2.25, np.nan)),
+    ]:
+        assert_trees_equal({"z": a}, {"z": b}, **tolerance)
+        assert_trees_equal({"z": jnp.asarray(a)}, {"z": jnp.asarray(b)}, **tolerance)
+        assert_trees_equal(complex(a[0]), complex(b[0]), **tolerance)
+    for a, b in [
+        (make(np.nan, 1.0), make(np.nan, 100.0)),  # the other part far apart
+        (make(np.nan, 1.0), make(1.0, np.nan)),  # NaN in different parts
+        (make(5.0, np.nan), make(-5.0, np.nan)),
+    ]:
+        with pytest.raises(AssertionError, match="'z'"):
+            assert_trees_equal({"z": a}, {"z": b}, **tolerance)
+        with pytest.raises(AssertionError, match="'z'"):
+            assert_trees_equal({"z": jnp.asarray(a)}, {"z": jnp.asarray(b)}, **tolerance)
+        with pytest.raises(AssertionError, match="value differs"):
+            assert_trees_equal(complex(a[0]), complex(b[0]), **tolerance)

@@ -291,3 +291,23 @@ def test_convert_orbax_without_tensorstore_names_the_extra(
     assert main(["convert-orbax", str(flax_orbax_run), str(tmp_path / "dst")]) == 1
     assert "pip install 'eqx_train[orbax]'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "dst")
+
+
+def test_diff_relative_tolerance_holds_a_finite_value_apart_from_an_infinity(tmp_path, capsys):
+    """|1e308 - inf| <= 1 * |inf| holds, yet an infinity equals only itself."""
+    a, b = _pair(tmp_path, {"f": np.array([1e308, 1.0])}, {"f": np.array([np.inf, 1.0])})
+    assert main(["diff", a, b, "--rtol", "1"]) == 1
+    assert "differs: f float64[2]: 1 of 2 elements" in capsys.readouterr().out
+
+
+def test_diff_tolerance_compares_a_complex_with_a_nan_part_part_by_part(tmp_path, capsys):
+    """As assert_trees_equal does: NaN equals NaN in the same part, the other part is
+    within the tolerance or not."""
+    nan = float("nan")
+    a, b = _pair(
+        tmp_path,
+        {"z": np.array([complex(nan, 1.0), complex(nan, 1.0), complex(nan, 1.0)])},
+        {"z": np.array([complex(nan, 1.25), complex(nan, 100.0), complex(1.0, nan)])},
+    )
+    assert main(["diff", a, b, "--atol", "0.5"]) == 1
+    assert "differs: z complex128[3]: 2 of 3 elements" in capsys.readouterr().out

@@ -99,3 +99,24 @@ def test_an_index_citing_a_piece_name_of_other_digits_is_refused(tmp_path):
     _edit_header(os.path.join(shards, "index.safetensors"), edit)
     with pytest.raises(CheckpointFormatError, match="not a piece file name"):
         checkpoints.restore_checkpoint(shards, None)
+
+
+@pytest.mark.parametrize("digits", [400, 5000])
+def test_a_version_of_hundreds_or_thousands_of_ascii_digits_is_a_newer_format_named(
+    tmp_path, digits
+):
+    """Python's `int()` refuses more than 4300 digits with a bare ValueError."""
+    path = checkpoints.save_checkpoint(tmp_path, {"a": np.arange(3.0)}, 1)
+    _edit_header(path, _set_version("9" * digits))
+    with pytest.raises(NewerFormatError) as caught:
+        checkpoints.restore_checkpoint(path, None)
+    assert str(path) in str(caught.value)
+
+
+def test_a_version_of_leading_zeros_and_thousands_of_digits_is_a_corrupt_file_named(tmp_path):
+    """ "0…02" is version 2 in no writer's spelling; no `int()` of it is attempted."""
+    path = checkpoints.save_checkpoint(tmp_path, {"a": np.arange(3.0)}, 1)
+    _edit_header(path, _set_version("0" * 5000 + "2"))
+    with pytest.raises(CheckpointFormatError, match="format version") as caught:
+        checkpoints.restore_checkpoint(path, None)
+    assert type(caught.value) is CheckpointFormatError and str(path) in str(caught.value)

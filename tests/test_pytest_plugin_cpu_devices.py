@@ -27,3 +27,13 @@ def test_the_usage_error_comes_before_jax_is_asked(pytester, monkeypatch):
     result = pytester.runpytest_inprocess("-p", "eqx_train.testing", "--cpu-devices", "4096")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert updates == []
+
+
+def test_a_count_of_thousands_of_digits_is_a_usage_error_quoting_it_shortened(pytester):
+    """Python's `int()` refuses more than 4300 digits with a bare ValueError."""
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    count = "9" * 5000
+    result = pytester.runpytest_inprocess("-p", "eqx_train.testing", f"--cpu-devices={count}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--cpu-devices*from 1 to 1024*"])
+    assert count not in result.stderr.str()  # quoted shortened, not 5000 digits

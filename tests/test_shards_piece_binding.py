@@ -138,3 +138,47 @@ def test_an_index_resealed_to_cite_another_saves_piece_by_its_own_name_is_refuse
     edit_header(mine.parent / "index.safetensors", cite_stranger)
     with pytest.raises(CheckpointFormatError, match=re.escape(stranger.name)):
         _restore_as_saved(tmp_path / "checkpoint_2.shards")
+
+
+def _unbind(shards_dir):
+    """`shards_dir` as eqx_train wrote it before saves were bound to their pieces: no save
+    id in its index, no save id or process in its pieces (as in `FIXTURE`)."""
+
+    def drop_binding(header):
+        for key in ("eqx_train.save", "eqx_train.process"):
+            header["__metadata__"].pop(key, None)
+        reseal(header["__metadata__"])
+
+    for name in os.listdir(shards_dir):
+        edit_header(shards_dir / name, drop_binding)
+
+
+def test_a_bound_piece_under_a_name_an_index_of_before_binding_cites_is_refused(tmp_path):
+    """Step 1 as an older eqx_train wrote it (its index without a save id), step 2 by this
+    one: step 2's piece, copied over the piece step 1's index cites, is of another save."""
+    for step in (1, 2):
+        checkpoints.save_checkpoint_multiprocess(tmp_path, {"w": np.full(4, step)}, step, keep=2)
+    _unbind(tmp_path / "checkpoint_1.shards")
+    np.testing.assert_array_equal(_restore_as_saved(tmp_path / "checkpoint_1.shards")["w"], [1] * 4)
+    target = _piece(tmp_path / "checkpoint_1.shards", 0)
+    shutil.copyfile(_piece(tmp_path / "checkpoint_2.shards", 0), target)
+    with pytest.raises(CheckpointFormatError, match=re.escape(target.name)):
+        _restore_as_saved(tmp_path / "checkpoint_1.shards")
+
+
+def test_an_index_without_a_save_id_citing_pieces_of_two_saves_is_refused(run):
+    """No writer, of before binding or since, cites pieces of two saves in one index."""
+    shards = run / "checkpoint_2.shards"
+    mine, stranger = _piece(shards, 1), _piece(run / "checkpoint_1.shards", 1)
+    shutil.copyfile(stranger, shards / stranger.name)
+    mine.unlink()
+
+    def cite_stranger_unbound(header):
+        meta = header["__metadata__"]
+        meta["eqx_train.arrays"] = meta["eqx_train.arrays"].replace(mine.name, stranger.name)
+        del meta["eqx_train.save"]
+        reseal(meta)
+
+    edit_header(shards / "index.safetensors", cite_stranger_unbound)
+    with pytest.raises(CheckpointFormatError, match="pieces of more than one save"):
+        _restore_as_saved(shards)

@@ -231,6 +231,41 @@ def test_checkpoint_roundtrip_fails_on_a_restore_that_loses_the_weak_type(monkey
         assert_checkpoint_roundtrip(tree)
 
 
+def _complex_tree():
+    c128 = (np.arange(6) * (1 - 2j)).astype(np.complex128)
+    c128[0] = complex(-0.0, np.nan)
+    return {
+        "c128": c128,
+        "c128_scalar": np.complex128(complex(np.nan, -0.0)),
+        "c64": jnp.asarray(c128.astype(np.complex64)),
+        "weak": jnp.asarray(1j),
+        "block": Block(jnp.ones(2), 0.5, "dense"),
+        "python": 1 - 1j,
+    }
+
+
+def test_checkpoint_roundtrip_passes_on_complex_leaves_of_both_widths(tmp_path):
+    tree = _complex_tree()
+    assert_trees_equal(assert_checkpoint_roundtrip(tree, tmp_path), tree)
+
+
+def test_checkpoint_roundtrip_fails_on_a_restore_that_leaves_a_complex128_leaf_unfilled(
+    monkeypatch,
+):
+    # Planted: a restore that keeps the target's own complex128 array instead of the file's.
+    restore = checkpoints.restore_checkpoint
+
+    def keeping_the_target(path, target, **options):
+        restored = restore(path, target, **options)
+        if target is None or isinstance(target["c128"], jax.ShapeDtypeStruct):
+            return restored
+        return {**restored, "c128": target["c128"]}
+
+    monkeypatch.setattr(checkpoints, "restore_checkpoint", keeping_the_target)
+    with pytest.raises(AssertionError, match=r"into the tree: the trees differ at \['c128'\]"):
+        assert_checkpoint_roundtrip(_complex_tree())
+
+
 def test_checkpoint_roundtrip_expects_back_only_what_filter_spec_saved():
     model = eqx.nn.Dropout(0.3)
     restored = assert_checkpoint_roundtrip(

@@ -121,6 +121,15 @@ _COMPLEX128 = np.dtype(np.complex128)
 _HEADER_CODES = {code: d for code, d in CODE_TO_DTYPE.items() if d != _COMPLEX128}
 
 
+def _is_newer(version: str) -> bool:
+    """Whether `version` spells, in ASCII digits, a number above `FORMAT_VERSION`: compared by
+    length past the leading zeros first, since `int()` refuses more than 4300 digits."""
+    if not (version.isascii() and version.isdigit()):
+        return False
+    digits = version.lstrip("0")
+    return len(digits) > len(str(FORMAT_VERSION)) or int(digits or "0") > FORMAT_VERSION
+
+
 def _header_dtype(tensor: Tensor) -> tuple[str, list[int]]:
     """A tensor's dtype code and shape as its header entry says them: a complex128 tensor
     as F64 with a trailing axis of 2 (real, imaginary), which has the same bytes and which
@@ -432,7 +441,7 @@ class FileReader(ReaderBase):
             )
             # ASCII digits only: `isdigit()` also accepts "²" (which `int()` refuses) and
             # every script's digits ("١"), none of which a writer of this format spells.
-            if version.isascii() and version.isdigit() and int(version) > FORMAT_VERSION:
+            if _is_newer(version):
                 raise NewerFormatError(
                     f"{self.path} was written by a newer eqx_train: {why}. Upgrade eqx_train "
                     "to read it (a checkpoint manager neither skips nor moves it; if no newer "

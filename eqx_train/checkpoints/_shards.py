@@ -179,6 +179,8 @@ class ShardedReader(ReaderBase):
             # The save every piece must belong to; None in an index written before saves
             # were bound to their pieces (those pieces are trusted by name, as then).
             self._save = self.metadata.get(SAVE_KEY)
+            if self._save is None:
+                self._check_one_save()
             # Locally, open (and so pin) every piece file now: an overwrite that commits
             # meanwhile cannot pull them away, and each header is checked against the index.
             # On an object store each open is a request: pieces are opened (and checked)
@@ -244,6 +246,14 @@ class ShardedReader(ReaderBase):
         """Refuses a piece file that another save (or another process of this save) wrote,
         copied under the name the index cites: before any of its bytes are used."""
         if self._save is None:
+            # A piece that names its save was written by a save whose index names it too:
+            # under an index without one, it was copied there from another save.
+            if SAVE_KEY in reader.metadata:
+                raise self.bad(
+                    f"the piece file {name} is of save {short(reader.metadata[SAVE_KEY])}, but "
+                    "the index, written before pieces were bound to their save, names no save "
+                    "(a piece of a newer save copied under this name)"
+                )
             return
         process, token = parse_piece_file(name) or (None, None)  # the index checked it
         own = (reader.metadata.get(SAVE_KEY), reader.metadata.get(PROCESS_KEY))
@@ -253,6 +263,18 @@ class ShardedReader(ReaderBase):
                 f"{self._save} and cites it as process {process}'s piece, but the file says "
                 f"save {short(own[0])}, process {short(own[1])} (a piece of another save, "
                 "step or run, or of another process, copied under this name)"
+            )
+
+    def _check_one_save(self) -> None:
+        """An index without a save id (written before pieces were bound to their save) is
+        trusted by its piece names, which every writer gave one save's token: names of two
+        tokens are an index edited to cite another save's piece."""
+        cited = {p["file"] for e in self._arrays.values() for p in e["pieces"]}
+        tokens = {(parse_piece_file(file) or (0, None))[1] for file in cited}
+        if len(tokens) > 1:
+            raise self.bad(
+                f"its index cites pieces of more than one save ({len(tokens)} save tokens "
+                "among its piece file names)"
             )
 
     def check_unchanged(self) -> None:

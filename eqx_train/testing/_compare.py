@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._close import close
 from .._tree import is_state, state_entries
 
 __all__ = ["assert_trees_equal"]
@@ -124,12 +125,7 @@ def _value_difference(
             a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
             b.astype(np.complex128 if b.dtype.kind == "c" else np.float64),
         )
-        with np.errstate(invalid="ignore", over="ignore"):
-            close = np.abs(x - y) <= atol + rtol * np.abs(y)
-        # An infinity is close only to itself (|inf - x| <= rtol * inf would hold for any x).
-        close &= np.isfinite(x) & np.isfinite(y)
-        close |= (np.isnan(x) & np.isnan(y)) | (x == y)
-        differs = ~close.reshape(-1)
+        differs = ~close(x, y, rtol, atol).reshape(-1)
     count = int(np.count_nonzero(differs))
     if count == 0:
         return None
@@ -162,6 +158,11 @@ def _scalar_difference(a: Any, b: Any, rtol: float | int, atol: float | int) -> 
         same = a == b
     elif isinstance(a, int):
         same = abs(a - b) <= atol + rtol * abs(b)
+    elif isinstance(a, complex) and (cmath.isnan(a) or cmath.isnan(b)):  # part by part
+        same = all(
+            _scalar_difference(p, q, rtol, atol) is None
+            for p, q in ((a.real, b.real), (a.imag, b.imag))
+        )
     else:
         nans = cmath.isnan(a) and cmath.isnan(b)
         finite = cmath.isfinite(a) and cmath.isfinite(b)  # an infinity is close only to itself
@@ -354,8 +355,9 @@ def assert_trees_equal(a: Any, b: Any, *, rtol: float | int = 0, atol: float | i
     Values are compared bit for bit by default (`rtol=atol=0`): a NaN equals a NaN with the
     same bits, and `-0.0` differs from `0.0`, as a checkpoint round trip must keep them.
     With a tolerance, inexact and integer values are close when
-    `|a - b| <= atol + rtol * |b|`, NaN equals NaN, infinities equal only themselves;
-    booleans, key data and the other checks stay exact.
+    `|a - b| <= atol + rtol * |b|`, NaN equals NaN, infinities equal only themselves (a
+    complex with a NaN part is compared part by part, each part so); booleans, key data
+    and the other checks stay exact.
 
     **Arguments:**
 
