@@ -78,6 +78,45 @@ def _as_strategy(value: Any, what: str) -> st.SearchStrategy:
     return st.sampled_from([np.dtype(d) for d in value])
 
 
+def _special_bits(dtype: np.dtype) -> tuple[int, ...]:
+    """Bit patterns of `dtype` that a bit-exact round trip must keep and that a careless one
+    changes: -0.0 and NaNs other than the canonical one (another sign or payload)."""
+    bits = np.dtype(f"uint{dtype.itemsize * 8}")
+    canonical = int(np.full((), np.nan, dtype).view(bits))
+    negative_zero = 1 << (dtype.itemsize * 8 - 1)
+    if dtype.itemsize <= 2:  # few enough patterns to ask the dtype which are NaN
+        every = np.arange(1 << (dtype.itemsize * 8), dtype=bits)
+        nans = every[np.isnan(every.view(dtype).astype(np.float32))]
+    else:  # IEEE binary32/64: exponent all ones, mantissa not zero
+        mantissa = np.finfo(dtype).nmant
+        exponent = ((1 << (dtype.itemsize * 8 - 1 - mantissa)) - 1) << mantissa
+        nans = np.array([exponent | 1, negative_zero | exponent | ((1 << mantissa) - 1)], bits)
+    others = [int(n) for n in nans if int(n) != canonical]
+    return (negative_zero, *sorted({others[0], others[-1]}))
+
+
+# Computed once, not while drawing (hypothesis expects a draw to touch no other state).
+_SPECIAL_BITS = {
+    d: _special_bits(d)
+    for d in DTYPES
+    if d.kind == "f" or d.kind == "V" or d.name.startswith(("bfloat16", "float8"))
+}
+
+
+@st.composite
+def _with_special_values(draw: Draw, values: np.ndarray) -> np.ndarray:
+    """`values` (floats), sometimes with one element replaced by -0.0 or a NaN of another
+    sign or payload than the canonical NaN, which the elements strategy alone seldom draws;
+    shrinks to `values` unchanged."""
+    specials = _SPECIAL_BITS.get(values.dtype)  # None for a float dtype no checkpoint stores
+    if values.size == 0 or specials is None or not draw(st.booleans()):
+        return values
+    bits = np.array(values, order="C").reshape(-1).view(f"uint{values.dtype.itemsize * 8}")
+    at = draw(st.integers(0, values.size - 1))
+    bits[at] = draw(st.sampled_from(specials))
+    return bits.view(values.dtype).reshape(values.shape)
+
+
 @st.composite
 def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -> np.ndarray:
     dtype = np.dtype(draw(dtypes))
@@ -86,17 +125,18 @@ def _arrays(draw: Draw, dtypes: st.SearchStrategy, shapes_: st.SearchStrategy) -
         # ml_dtypes floats: any bit pattern is a value (NaNs with any payload, -0.0,
         # infinities where the format has them), and zero bits shrink to +0.0.
         bits = np.dtype(f"uint{dtype.itemsize * 8}")
-        return draw(hnp.arrays(bits, shape)).view(dtype)
+        return draw(_with_special_values(draw(hnp.arrays(bits, shape)).view(dtype)))
     if dtype.kind == "f":
         width = _FLOAT_WIDTHS[dtype.itemsize]
-        return draw(hnp.arrays(dtype, shape, elements=st.floats(width=width)))
+        values = draw(hnp.arrays(dtype, shape, elements=st.floats(width=width)))
+        return draw(_with_special_values(values))
     if dtype.kind == "c":
         # Real and imaginary parts drawn as floats, each any kind of value on its own (NaN
         # beside a finite part, -0.0, infinities), then read as the complex pairs they are.
         part = np.dtype(f"float{dtype.itemsize * 4}")
         width = _FLOAT_WIDTHS[part.itemsize]
         pairs = draw(hnp.arrays(part, (*shape, 2), elements=st.floats(width=width)))
-        return pairs.view(dtype).reshape(shape)
+        return draw(_with_special_values(pairs)).view(dtype).reshape(shape)
     return draw(hnp.arrays(dtype, shape))
 
 
@@ -110,7 +150,9 @@ def arrays(
 
     Floats take every kind of value: infinities, NaN, `-0.0`, subnormals; bfloat16 and the
     float8s are drawn as raw bit patterns, so NaN payloads too; each part of a complex
-    takes any float value on its own. Shrinks towards 0-d
+    takes any float value on its own. A float array often has one element set to `-0.0` or
+    to a NaN of another sign or payload than the canonical NaN, the values a round trip
+    that is not bit-exact changes. Shrinks towards 0-d
     float32 zeros.
 
     **Arguments:**
