@@ -162,11 +162,11 @@ def test_a_reader_of_version_1_refuses_complex128_as_newer_instead_of_float64_pa
 ):
     # An eqx_train that reads version 1 only (every release before complex numbers) must not
     # return the (real, imaginary) float64 pairs as if they were the saved values.
-    from eqx_train.checkpoints import _format
+    from eqx_train.checkpoints import _header_codes
 
     checkpoints.save_checkpoint(tmp_path, {"b": _c128()}, 1)
-    monkeypatch.setattr(_format, "FORMAT_VERSION", 1)
-    monkeypatch.setattr(_format, "_READABLE_VERSIONS", frozenset({"1"}))
+    monkeypatch.setattr(_header_codes, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(_header_codes, "READABLE_VERSIONS", frozenset({"1"}))
     with pytest.raises(checkpoints.NewerFormatError, match="newer eqx_train"):
         checkpoints.restore_checkpoint(tmp_path, None)
 

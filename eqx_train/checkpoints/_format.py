@@ -41,10 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _transfer
+from . import _header_codes, _transfer
 from ._checksums import checksum, chunks, hasher, text_digest, verify_bytes
 from ._description import (
-    CODE_TO_DTYPE,
     DTYPE_TO_CODE,
     Arrays,
     Tensor,
@@ -55,7 +54,6 @@ from ._errors import CheckpointFormatError, NewerFormatError, invalid, short
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
-    COMPLEX128_KEY,
     FORMAT_KEY,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -115,41 +113,11 @@ def base_metadata(step_text: str, description: Any) -> dict[str, str]:
     }
 
 
-_READABLE_VERSIONS = frozenset(map(str, range(PLAIN_FORMAT_VERSION, FORMAT_VERSION + 1)))
-_COMPLEX128 = np.dtype(np.complex128)
-# What a header may name: every dtype of the table but complex128, which it stores as F64.
-_HEADER_CODES = {code: d for code, d in CODE_TO_DTYPE.items() if d != _COMPLEX128}
-
-
-def _is_newer(version: str) -> bool:
-    """Whether `version` spells, in ASCII digits, a number above `FORMAT_VERSION`: compared by
-    length past the leading zeros first, since `int()` refuses more than 4300 digits."""
-    if not (version.isascii() and version.isdigit()):
-        return False
-    digits = version.lstrip("0")
-    return len(digits) > len(str(FORMAT_VERSION)) or int(digits or "0") > FORMAT_VERSION
-
-
-def _header_dtype(tensor: Tensor) -> tuple[str, list[int]]:
-    """A tensor's dtype code and shape as its header entry says them: a complex128 tensor
-    as F64 with a trailing axis of 2 (real, imaginary), which has the same bytes and which
-    any safetensors reader reads."""
-    if tensor.dtype == _COMPLEX128:
-        return "F64", [*tensor.shape, 2]
-    return DTYPE_TO_CODE[tensor.dtype], list(tensor.shape)
-
-
 def _encode_header(
     tensors: Sequence[Tensor], metadata: dict[str, str], digests: Mapping[str, str]
 ) -> bytes:
     """The header: `tensors` listed in tree order, their bytes laid out in `file_order`."""
-    wide = [t.name for t in tensors if t.dtype == _COMPLEX128]
-    if wide:  # sealed by the checksum table like every other metadata value
-        metadata = {
-            **metadata,
-            FORMAT_VERSION_KEY: str(FORMAT_VERSION),  # readers of version 1 refuse it as newer
-            COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False),
-        }
+    metadata = _header_codes.with_complex128(metadata, tensors)  # sealed below like the rest
     checksums = {
         "algorithm": CHECKSUM_ALGORITHM,
         "metadata": {key: text_digest(value) for key, value in metadata.items()},
@@ -163,7 +131,7 @@ def _encode_header(
         offsets[t.name] = [offset, offset + t.nbytes]
         offset += t.nbytes
     for t in tensors:
-        code, shape = _header_dtype(t)
+        code, shape = _header_codes.header_dtype(t)
         entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": offsets[t.name]}
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     alignment = _PAGE if offset >= _PAGE_ALIGNED_FROM else _ALIGN_FOR_DEVICE
@@ -434,14 +402,12 @@ class FileReader(ReaderBase):
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self.bad("__metadata__ must map strings to strings")
         version = metadata.get(FORMAT_VERSION_KEY)
-        if version is not None and version not in _READABLE_VERSIONS:
+        if version is not None and version not in _header_codes.READABLE_VERSIONS:
             why = (
                 f"it has eqx_train format version {short(version)}; this eqx_train reads "
                 f"versions {PLAIN_FORMAT_VERSION} to {FORMAT_VERSION}"
             )
-            # ASCII digits only: `isdigit()` also accepts "²" (which `int()` refuses) and
-            # every script's digits ("١"), none of which a writer of this format spells.
-            if _is_newer(version):
+            if _header_codes.is_newer(version):
                 raise NewerFormatError(
                     f"{self.path} was written by a newer eqx_train: {why}. Upgrade eqx_train "
                     "to read it (a checkpoint manager neither skips nor moves it; if no newer "
@@ -449,7 +415,7 @@ class FileReader(ReaderBase):
                 )
             raise self.bad(why)
         checksums = self._checksums(metadata, set(entries))
-        wide = self._complex128(metadata, entries)
+        wide = _header_codes.complex128_names(metadata, entries, self.bad)
         data_start = 8 + header_len
         data_size = size - data_start
         tensors: dict[str, TensorInfo] = {}
@@ -458,13 +424,13 @@ class FileReader(ReaderBase):
             if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
                 raise self.bad(f"tensor {short(name)} has a malformed entry {short(entry)}")
             code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not isinstance(code, str) or code not in _HEADER_CODES:
+            if not isinstance(code, str) or code not in _header_codes.HEADER_CODES:
                 raise self.bad(f"tensor {short(name)} has unsupported dtype {short(code)}")
             if (
                 not isinstance(shape, list)
                 or len(shape) > MAX_NDIM
                 or not all(_is_count(s) for s in shape)
-                or too_big(shape, _HEADER_CODES[code].itemsize)
+                or too_big(shape, _header_codes.HEADER_CODES[code].itemsize)
             ):
                 raise self.bad(f"tensor {short(name)} has an invalid shape {short(shape)}")
             if not (
@@ -472,7 +438,7 @@ class FileReader(ReaderBase):
             ):
                 raise self.bad(f"tensor {short(name)} has invalid data offsets {short(offsets)}")
             begin, end = offsets
-            dtype = _HEADER_CODES[code]
+            dtype = _header_codes.HEADER_CODES[code]
             nbytes = math.prod(shape) * dtype.itemsize
             if not begin <= end <= data_size or end - begin != nbytes:
                 raise self.bad(
@@ -480,7 +446,7 @@ class FileReader(ReaderBase):
                     f"{code}{short(shape)}, but the data section has {data_size} bytes"
                 )
             if name in wide:  # F64 pairs: the same bytes, read as complex128
-                dtype, shape = _COMPLEX128, shape[:-1]
+                dtype, shape = _header_codes.COMPLEX128, shape[:-1]
             checksum = None if checksums is None else checksums[name]
             tensors[name] = TensorInfo(
                 name, dtype, tuple(shape), data_start + begin, nbytes, checksum
@@ -493,31 +459,6 @@ class FileReader(ReaderBase):
         self.tensors = tensors
         self.metadata: dict[str, str] = metadata
         self._description: Any = None
-
-    def _complex128(self, metadata: dict[str, str], entries: dict[str, Any]) -> set[str]:
-        """The tensors the header stores as F64 pairs that are complex128 (validated: each
-        names an F64 tensor whose last axis is 2)."""
-        raw = metadata.get(COMPLEX128_KEY)
-        if raw is None:
-            return set()
-        names = parse_json(raw, "the list of complex128 tensors", self.bad)
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise self.bad(f"its list of complex128 tensors is malformed: {short(raw)}")
-        if len(set(names)) != len(names):
-            raise self.bad("its list of complex128 tensors names a tensor twice")
-        for name in names:
-            entry = entries.get(name)
-            if not (
-                isinstance(entry, dict)
-                and entry.get("dtype") == "F64"
-                and isinstance(entry.get("shape"), list)
-                and entry["shape"][-1:] == [2]
-            ):
-                raise self.bad(
-                    f"its list of complex128 tensors names {short(name)}, which is not a "
-                    "float64 tensor with a last axis of 2"
-                )
-        return set(names)
 
     def _checksums(self, metadata: dict[str, str], names: set[str]) -> dict[str, str] | None:
         raw = metadata.get(CHECKSUMS_KEY)

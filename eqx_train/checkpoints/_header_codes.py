@@ -1,0 +1,88 @@
+"""How a checkpoint header spells what is not a tensor's bytes: the format version (which
+versions this eqx_train reads, and which it must refuse as newer) and each tensor's dtype
+code, complex128 included, which safetensors has no code for.
+
+complex128 is stored as `F64` with a trailing axis of 2 (real, imaginary: the same bytes),
+listed by name under `eqx_train.complex128`, in a file written as format version 2 so that
+readers of version 1 refuse it as newer instead of returning float64 pairs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._description import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor, parse_json
+from ._errors import CheckpointFormatError, short
+from ._names import COMPLEX128_KEY, FORMAT_VERSION, FORMAT_VERSION_KEY, PLAIN_FORMAT_VERSION
+
+READABLE_VERSIONS = frozenset(map(str, range(PLAIN_FORMAT_VERSION, FORMAT_VERSION + 1)))
+COMPLEX128 = np.dtype(np.complex128)
+# What a header may name: every dtype of the table but complex128, which it stores as F64.
+HEADER_CODES = {code: d for code, d in CODE_TO_DTYPE.items() if d != COMPLEX128}
+
+
+def is_newer(version: str) -> bool:
+    """Whether `version` spells, in ASCII digits, a number above `FORMAT_VERSION`: compared by
+    length past the leading zeros first, since `int()` refuses more than 4300 digits.
+    ASCII only: `isdigit()` also accepts "²" (which `int()` refuses) and every script's
+    digits ("١"), none of which a writer of this format spells."""
+    if not (version.isascii() and version.isdigit()):
+        return False
+    digits = version.lstrip("0")
+    return len(digits) > len(str(FORMAT_VERSION)) or int(digits or "0") > FORMAT_VERSION
+
+
+def header_dtype(tensor: Tensor) -> tuple[str, list[int]]:
+    """A tensor's dtype code and shape as its header entry says them: a complex128 tensor
+    as F64 with a trailing axis of 2 (real, imaginary), which has the same bytes and which
+    any safetensors reader reads."""
+    if tensor.dtype == COMPLEX128:
+        return "F64", [*tensor.shape, 2]
+    return DTYPE_TO_CODE[tensor.dtype], list(tensor.shape)
+
+
+def with_complex128(metadata: dict[str, str], tensors: Sequence[Tensor]) -> dict[str, str]:
+    """`metadata` for a file of `tensors`: unchanged, or, when one is complex128, with their
+    list and format version 2."""
+    wide = [t.name for t in tensors if t.dtype == COMPLEX128]
+    if not wide:
+        return metadata
+    return {
+        **metadata,
+        FORMAT_VERSION_KEY: str(FORMAT_VERSION),
+        COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False),
+    }
+
+
+def complex128_names(
+    metadata: dict[str, str],
+    entries: dict[str, Any],
+    bad: Callable[[str], CheckpointFormatError],
+) -> set[str]:
+    """The tensors a header stores as F64 pairs that are complex128 (validated: each names
+    an F64 tensor whose last axis is 2); `bad` makes the error for a malformed list."""
+    raw = metadata.get(COMPLEX128_KEY)
+    if raw is None:
+        return set()
+    names = parse_json(raw, "the list of complex128 tensors", bad)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad(f"its list of complex128 tensors is malformed: {short(raw)}")
+    if len(set(names)) != len(names):
+        raise bad("its list of complex128 tensors names a tensor twice")
+    for name in names:
+        entry = entries.get(name)
+        if not (
+            isinstance(entry, dict)
+            and entry.get("dtype") == "F64"
+            and isinstance(entry.get("shape"), list)
+            and entry["shape"][-1:] == [2]
+        ):
+            raise bad(
+                f"its list of complex128 tensors names {short(name)}, which is not a "
+                "float64 tensor with a last axis of 2"
+            )
+    return set(names)
