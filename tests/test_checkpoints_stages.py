@@ -17,7 +17,7 @@ import pytest
 import safetensors.numpy
 
 from eqx_train import TrainState, checkpoints
-from eqx_train.checkpoints import _format, _restore, _snapshot, _window
+from eqx_train.checkpoints import _format, _restore, _snapshot, _transfer, _window
 from tests.helpers import assert_trees_equal, hold_the_writer
 
 LEAF = 256 << 10  # bytes of each leaf below
@@ -349,3 +349,31 @@ def test_a_device_snapshot_whose_copy_fails_when_it_runs_raises_memory_error_at_
     assert list(tmp_path.iterdir()) == []
     expected = np.arange((4 << 20) // 4, dtype=np.float32)
     assert np.array_equal(np.asarray(state["w"]), expected)  # the state stays usable
+
+
+def test_an_auto_snapshot_whose_copy_fails_when_it_runs_is_taken_on_the_host(
+    tmp_path,
+    monkeypatch,
+    without_type_checks,  # the failing copies below are not jax.Arrays
+):
+    # The estimate says the copy fits (plenty free), the copy finds no room when it runs:
+    # "auto" chose the device, so it may choose the host instead, with a warning.
+    deleted = []
+    dispatched = []
+
+    def copy_dispatched_without_error(arrays):
+        dispatched.extend(_CopyThatFailsWhenItRuns(a, deleted) for a in arrays)
+        return list(dispatched)
+
+    monkeypatch.setattr(_transfer, "reads_in_place", lambda platform: False)  # as on a GPU
+    monkeypatch.setattr(_snapshot, "_copy_jit", copy_dispatched_without_error)
+    monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 1 << 40)
+    manager = checkpoints.AsyncManager()
+    state = {"w": jnp.arange(1024, dtype=jnp.float32), "b": np.ones(3, np.float32)}
+    with pytest.warns(UserWarning, match="found no room in device memory when it ran"):
+        checkpoints.save_checkpoint(tmp_path, state, 1, async_manager=manager, snapshot="auto")
+    assert dispatched and deleted == dispatched  # tried on the device, its copies let go
+    manager.wait_previous_save()
+    restored = checkpoints.restore_checkpoint(tmp_path, None)
+    assert np.array_equal(restored["w"], np.arange(1024, dtype=np.float32))
+    assert np.array_equal(restored["b"], np.ones(3, np.float32))

@@ -201,7 +201,8 @@ def snapshot(
     freed as it writes them; a copy the devices have no memory for raises `MemoryError`
     naming the bytes needed and free); `"host"`: every leaf copied to host memory now, leaf
     by leaf; `"auto"`: on the devices if the copy fits in their free memory, else on the
-    host with a message to `warn`; on CPU devices, the buffers held in place (`Pins`,
+    host with a message to `warn` (also when the copy, estimated to fit, finds no room as it
+    runs); on CPU devices, the buffers held in place (`Pins`,
     released by the final pass of `host_arrays`). Non-array leaves (NumPy arrays, scalars)
     are always copied on the host.
     """
@@ -225,7 +226,21 @@ def snapshot(
                 "transfer. Pass snapshot='host' to choose this and silence the warning."
             )
             mode = "host"
-    copies = _copy_on_devices(on_device, caller) if mode != "host" else {}
+    copies: dict[int, jax.Array] = {}
+    if mode != "host":
+        try:
+            copies = _copy_on_devices(on_device, caller)
+        except MemoryError:
+            if mode != "auto":
+                raise
+            # The estimate said it fits but the copy found no room when it ran (another
+            # allocation in between, fragmentation): the choice is ours, so the host.
+            warn(
+                f"{caller}: the async save's device snapshot, estimated to fit, found no room "
+                "in device memory when it ran; the state is copied to host memory instead, "
+                "which blocks for the transfer. Pass snapshot='host' to choose this and "
+                "silence the warning."
+            )
     on_host = [
         t
         for t, s in zip(tensors, sources, strict=True)
