@@ -148,27 +148,51 @@ def _format_version(path) -> str:
     return header["__metadata__"]["eqx_train.format_version"]
 
 
-def test_only_a_file_holding_complex128_is_written_as_format_version_2(tmp_path):
-    checkpoints.save_checkpoint(tmp_path / "plain", {"a": _c64(), "f": np.ones(2)}, 1)
-    checkpoints.save_checkpoint(tmp_path / "wide", {"b": _c128()}, 1)
-    checkpoints.save_checkpoint(tmp_path / "scalar", {"s": 1 + 2j}, 1)
-    assert _format_version(checkpoints.latest_checkpoint(tmp_path / "plain")) == "1"
-    assert _format_version(checkpoints.latest_checkpoint(tmp_path / "wide")) == "2"
-    assert _format_version(checkpoints.latest_checkpoint(tmp_path / "scalar")) == "2"
-
-
-def test_a_reader_of_version_1_refuses_complex128_as_newer_instead_of_float64_pairs(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("tree", "version"),
+    [
+        ({"f": np.ones(2), "i": np.arange(3)}, "1"),
+        ({"a": _c64(), "f": np.ones(2)}, "2"),
+        ({"b": _c128()}, "2"),
+        ({"s": 1 + 2j}, "2"),
+    ],
+    ids=["no-complex", "complex64", "complex128", "python-complex"],
+)
+def test_only_a_file_holding_a_complex_tensor_is_written_as_format_version_2(
+    tmp_path, tree, version
 ):
-    # An eqx_train that reads version 1 only (every release before complex numbers) must not
-    # return the (real, imaginary) float64 pairs as if they were the saved values.
+    checkpoints.save_checkpoint(tmp_path, tree, 1)
+    assert _format_version(checkpoints.latest_checkpoint(tmp_path)) == version
+
+
+def test_a_shards_index_of_complex_arrays_is_format_version_2(tmp_path):
+    checkpoints.save_checkpoint_multiprocess(tmp_path / "c", {"a": _c64(), "f": np.ones(2)}, 1)
+    checkpoints.save_checkpoint_multiprocess(tmp_path / "f", {"f": np.ones(2)}, 1)
+    for name, version in (("c", "2"), ("f", "1")):
+        index = os.path.join(checkpoints.latest_checkpoint(tmp_path / name), "index.safetensors")
+        assert _format_version(index) == version
+
+
+@pytest.mark.parametrize("layout", ["file", "shards"])
+@pytest.mark.parametrize("leaf", [_c64, _c128], ids=["complex64", "complex128"])
+def test_a_reader_of_version_1_refuses_complex_as_newer_and_its_manager_keeps_it(
+    tmp_path, monkeypatch, layout, leaf
+):
+    # An eqx_train that reads version 1 only (every release before complex numbers) must
+    # neither return complex128's (real, imaginary) float64 pairs as the saved values nor
+    # take a complex code for corruption, which would make its manager move the file aside.
     from eqx_train.checkpoints import _header_codes
 
-    checkpoints.save_checkpoint(tmp_path, {"b": _c128()}, 1)
+    save = {"file": checkpoints.save_checkpoint, "shards": checkpoints.save_checkpoint_multiprocess}
+    save[layout](tmp_path, {"b": leaf()}, 1)
     monkeypatch.setattr(_header_codes, "FORMAT_VERSION", 1)
     monkeypatch.setattr(_header_codes, "READABLE_VERSIONS", frozenset({"1"}))
     with pytest.raises(checkpoints.NewerFormatError, match="newer eqx_train"):
         checkpoints.restore_checkpoint(tmp_path, None)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(checkpoints.NewerFormatError):
+        checkpoints.CheckpointManager(tmp_path).restore(None)
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 def test_a_flipped_bit_in_a_complex128_tensor_fails_its_checksum_naming_it(tmp_path):

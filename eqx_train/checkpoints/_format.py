@@ -13,7 +13,7 @@ The header maps each tensor name (the leaf's key path joined by '.') to its dtyp
 byte range, and holds `__metadata__` (string -> string) with our keys (named in `_names`):
 
 - `eqx_train.format` / `eqx_train.format_version`: "eqx_train.checkpoint" / "1" ("2" when the
-  file holds a complex128 tensor, so that readers of version 1 refuse it)
+  file holds a complex tensor, so that readers of version 1 refuse it as newer)
 - `eqx_train.step`: the step, as JSON
 - `eqx_train.tree`: the tree description (JSON, see `_description`), enough to rebuild the
   pytree without a target

@@ -3,14 +3,15 @@ versions this eqx_train reads, and which it must refuse as newer) and each tenso
 code, complex128 included, which safetensors has no code for.
 
 complex128 is stored as `F64` with a trailing axis of 2 (real, imaginary: the same bytes),
-listed by name under `eqx_train.complex128`, in a file written as format version 2 so that
-readers of version 1 refuse it as newer instead of returning float64 pairs.
+listed by name under `eqx_train.complex128`. A file or `.shards` index holding any complex
+tensor is written as format version 2, so that readers of version 1 refuse it as newer
+instead of returning float64 pairs or moving it aside as corrupt.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,17 +46,24 @@ def header_dtype(tensor: Tensor) -> tuple[str, list[int]]:
     return DTYPE_TO_CODE[tensor.dtype], list(tensor.shape)
 
 
+def with_complex(metadata: dict[str, str], dtypes: Iterable[np.dtype]) -> dict[str, str]:
+    """`metadata` for a file or `.shards` index of tensors of `dtypes`: unchanged, or, when
+    one is complex, as format version 2, which readers of version 1 (every release before
+    complex numbers) refuse as newer: neither taken as float64 pairs nor, by a checkpoint
+    manager, moved aside as corrupt for an unknown dtype code."""
+    if not any(np.dtype(d).kind == "c" for d in dtypes):
+        return metadata
+    return {**metadata, FORMAT_VERSION_KEY: str(FORMAT_VERSION)}
+
+
 def with_complex128(metadata: dict[str, str], tensors: Sequence[Tensor]) -> dict[str, str]:
-    """`metadata` for a file of `tensors`: unchanged, or, when one is complex128, with their
-    list and format version 2."""
+    """`metadata` for a file of `tensors`, as `with_complex` makes it, listing the tensors
+    that are complex128 where there are some."""
+    metadata = with_complex(metadata, [t.dtype for t in tensors])
     wide = [t.name for t in tensors if t.dtype == COMPLEX128]
     if not wide:
         return metadata
-    return {
-        **metadata,
-        FORMAT_VERSION_KEY: str(FORMAT_VERSION),
-        COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False),
-    }
+    return {**metadata, COMPLEX128_KEY: json.dumps(wide, ensure_ascii=False)}
 
 
 def complex128_names(

@@ -27,7 +27,16 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from . import _coordination, _description, _directory, _errors, _format, _names, _shards
+from . import (
+    _coordination,
+    _description,
+    _directory,
+    _errors,
+    _format,
+    _header_codes,
+    _names,
+    _shards,
+)
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
 from ._names import PIECES_KEY
 from ._storage import Storage
@@ -409,7 +418,7 @@ def write_and_commit(
             arrays = _collect_index(store, final_dir, token, count, tensors, caller)
             replaced = _shards.referenced_pieces(store, final_dir) or set()
             index_metadata = {
-                **metadata,
+                **_header_codes.with_complex(metadata, [t.dtype for t in tensors]),
                 _names.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
                 _names.SAVE_KEY: token,
             }

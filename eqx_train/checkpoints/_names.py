@@ -48,10 +48,11 @@ RESERVED_TENSOR_NAMES = frozenset({METADATA_KEY})
 FORMAT_KEY = "eqx_train.format"
 FORMAT_VERSION_KEY = "eqx_train.format_version"
 FORMAT_NAME = "eqx_train.checkpoint"  # FORMAT_KEY of a checkpoint file or `.shards` index
-# The newest format version this eqx_train reads. Version 2 is version 1 plus complex128
-# tensors stored as F64 pairs (`COMPLEX128_KEY`): only files that hold one are written as 2,
-# so that an eqx_train reading version 1 only refuses them as newer instead of returning
-# float64 pairs; every other file is written as version 1, which every release reads.
+# The newest format version this eqx_train reads. Version 2 is version 1 plus complex
+# tensors (C64, and complex128 as F64 pairs listed under `COMPLEX128_KEY`): only files and
+# indexes that hold one are written as 2, so that an eqx_train reading version 1 only refuses
+# them as newer (instead of returning float64 pairs, or moving them aside as corrupt); every
+# other file is written as version 1, which every release reads.
 FORMAT_VERSION = 2
 PLAIN_FORMAT_VERSION = 1
 STEP_KEY = "eqx_train.step"
