@@ -321,19 +321,25 @@ class _CopyThatFailsWhenItRuns:
         self._deleted.append(self)
 
 
-def test_a_device_snapshot_whose_copy_fails_when_it_runs_raises_memory_error_at_the_call(
-    tmp_path,
-    monkeypatch,
-    without_type_checks,  # the failing copies below are not jax.Arrays
-):
-    deleted = []
-    dispatched = []
+def _copies_that_fail_when_they_run(monkeypatch):
+    """Makes every device copy one that is dispatched without error and fails when it runs;
+    returns (the copies dispatched, the copies deleted)."""
+    dispatched, deleted = [], []
 
     def copy_dispatched_without_error(arrays):
         dispatched.extend(_CopyThatFailsWhenItRuns(a, deleted) for a in arrays)
         return list(dispatched)
 
     monkeypatch.setattr(_snapshot, "_copy_jit", copy_dispatched_without_error)
+    return dispatched, deleted
+
+
+def test_a_device_snapshot_whose_copy_fails_when_it_runs_raises_memory_error_at_the_call(
+    tmp_path,
+    monkeypatch,
+    without_type_checks,  # the failing copies below are not jax.Arrays
+):
+    dispatched, deleted = _copies_that_fail_when_they_run(monkeypatch)
     monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 3 << 20)
     manager = checkpoints.AsyncManager()
     state = {"w": jnp.arange((4 << 20) // 4, dtype=jnp.float32), "b": np.ones(3, np.float32)}
@@ -358,15 +364,8 @@ def test_an_auto_snapshot_whose_copy_fails_when_it_runs_is_taken_on_the_host(
 ):
     # The estimate says the copy fits (plenty free), the copy finds no room when it runs:
     # "auto" chose the device, so it may choose the host instead, with a warning.
-    deleted = []
-    dispatched = []
-
-    def copy_dispatched_without_error(arrays):
-        dispatched.extend(_CopyThatFailsWhenItRuns(a, deleted) for a in arrays)
-        return list(dispatched)
-
+    dispatched, deleted = _copies_that_fail_when_they_run(monkeypatch)
     monkeypatch.setattr(_transfer, "reads_in_place", lambda platform: False)  # as on a GPU
-    monkeypatch.setattr(_snapshot, "_copy_jit", copy_dispatched_without_error)
     monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 1 << 40)
     manager = checkpoints.AsyncManager()
     state = {"w": jnp.arange(1024, dtype=jnp.float32), "b": np.ones(3, np.float32)}
