@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Int, PyTree
-from typing_extensions import TypeVar
 
 from ._tree import leaves_with_names
 
@@ -28,7 +27,14 @@ class _AnyModel(Any):
 
 # The model's type: `TrainState[eqx.nn.MLP]` has `state.model: eqx.nn.MLP`. Covariant (a
 # state is immutable), so a `TrainState[eqx.nn.MLP]` is a `TrainState[eqx.Module]`.
-M = TypeVar("M", covariant=True, default=_AnyModel)
+# The default is for type checkers only: a run-time checker (beartype under jaxtyping's
+# import hook) takes a TypeVar's default as the type every model must be an instance of.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as _TypeVarWithDefault
+
+    M = _TypeVarWithDefault("M", covariant=True, default=_AnyModel)
+else:
+    M = TypeVar("M", covariant=True)
 _Model = TypeVar("_Model")  # the model passed to `create` on the bare class
 # What `create`, `replace` and `apply_gradients` return: the class they were called on, with
 # its model type (a TypeVar rather than `typing.Self`, which run-time checkers refuse

@@ -95,7 +95,10 @@ def evaluate(
         return out if isinstance(out, jax.Array) else None
 
     try:
-        out = jax.eval_shape(traced, jax.ShapeDtypeStruct(shape, dtype))
+        # The dtype JAX would trace it as (float64 is float32 without x64): a
+        # ShapeDtypeStruct of a dtype JAX lacks warns in newer JAX.
+        traced_as = jax.dtypes.canonicalize_dtype(dtype)
+        out = jax.eval_shape(traced, jax.ShapeDtypeStruct(shape, traced_as))
     except Exception as error:
         raise TransformError(
             f"the transform raised {type(error).__name__} on the saved tensor "
