@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from _timing import PeakRSS, format_table, write_and_fsync  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
-from eqx_train.checkpoints import _window  # noqa: E402
+from eqx_train.checkpoints.pipeline import _window  # noqa: E402
 
 try:
     import orbax.checkpoint as ocp

@@ -118,7 +118,7 @@ def replicated_worker(
     if count > 1:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=pid)
     from eqx_train import checkpoints
-    from eqx_train.checkpoints import _coordination
+    from eqx_train.checkpoints.pipeline import _coordination
 
     def barrier():
         if count > 1:

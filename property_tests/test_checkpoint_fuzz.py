@@ -37,7 +37,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _description, _format
+from eqx_train.checkpoints.format import _description, _format
 from eqx_train.testing import assert_trees_equal, strategies as ets
 from property_tests.expected import as_saved, dict_keys
 

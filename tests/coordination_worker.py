@@ -37,7 +37,7 @@ jax.distributed.initialize(
 
 from jax._src.distributed import global_state  # noqa: E402
 
-from eqx_train.checkpoints import _coordination as co  # noqa: E402
+from eqx_train.checkpoints.pipeline import _coordination as co  # noqa: E402
 
 client = global_state.client  # the tests' own side channel, outside eqx_train's keys
 SLACK_S = 1.5

@@ -165,7 +165,7 @@ def hold_the_writer(monkeypatch: Any) -> tuple[Any, Any]:
     flight."""
     import threading
 
-    from eqx_train.checkpoints import _format
+    from eqx_train.checkpoints.format import _format
 
     go, writing = threading.Event(), threading.Event()
     real = _format.write_all

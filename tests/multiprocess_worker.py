@@ -125,7 +125,7 @@ def rp_restore(path, step, restore=None, **options):
     process read from the checkpoint's piece files (what a verified read fetches)."""
     import math
 
-    from eqx_train.checkpoints import _format
+    from eqx_train.checkpoints.format import _format
 
     counted = [0]
     real_fill = _format.FileReader._fill
@@ -226,7 +226,7 @@ elif mode == "manager":
         directory + "_policy", save_interval_steps=3, save_interval_seconds=3600, timeout_s=60
     )
     if pid == 1:
-        from eqx_train.checkpoints import _manager
+        from eqx_train.checkpoints.manager import _manager
 
         _manager._clock = lambda: 1e12
     decisions = [policy.should_save(step) for step in range(7)]
@@ -235,7 +235,7 @@ elif mode == "manager":
     import glob
     import warnings
 
-    from eqx_train.checkpoints import _coordination
+    from eqx_train.checkpoints.pipeline import _coordination
 
     def barrier():
         _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
@@ -264,7 +264,7 @@ elif mode == "zero_fails":
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
     )
     if pid == 0:
-        from eqx_train.checkpoints import _multiprocess
+        from eqx_train.checkpoints.pipeline import _multiprocess
 
         def fail(*args, **kwargs):
             raise OSError(28, "No space left on device")
@@ -331,7 +331,7 @@ elif mode == "disagree":
     assert checkpoints.available_steps(directory) == [2]
     check(checkpoints.restore_checkpoint(directory, global_tree(0, mesh_1d, P("d"))), 2)
 elif mode == "desync":
-    from eqx_train.checkpoints import _multiprocess
+    from eqx_train.checkpoints.pipeline import _multiprocess
 
     def save(step, tree_step, **kwargs):
         tree = global_tree(tree_step, mesh_1d, P("d"))
@@ -418,7 +418,7 @@ elif mode == "rp_race":  # process 1 lists the directory before step 2 lands
             directory, rp_tree(step), step, keep=2, timeout_s=60
         )
     if pid == 1:
-        from eqx_train.checkpoints import _directory
+        from eqx_train.checkpoints.pipeline import _directory
 
         real_list = _directory.list_checkpoints
 
@@ -458,7 +458,7 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
         ),
     }
     sources = {"renamed": "rep", "tied_a": "model.weight", "tied_b": "model.weight"}
-    from eqx_train.checkpoints import _read_once
+    from eqx_train.checkpoints.pipeline import _read_once
 
     real_place, placed = _read_once.place, []
 
@@ -511,7 +511,7 @@ elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
 elif mode == "rp_lone":  # process 0 restores alone once; then both restore together
     import warnings
 
-    from eqx_train.checkpoints import _coordination, _read_once
+    from eqx_train.checkpoints.pipeline import _coordination, _read_once
 
     def barrier():
         _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
@@ -534,7 +534,7 @@ elif mode == "peer_dies":
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
     )
     if pid == 1:
-        from eqx_train.checkpoints import _object_storage, _storage
+        from eqx_train.checkpoints.storage import _object_storage, _storage
 
         def die(*args, **kwargs):
             os._exit(3)  # killed mid-save, after the save started
@@ -553,7 +553,7 @@ elif mode == "peer_dies":
         # peer's share runs out (shortened here), with a warning saying so.
         import warnings
 
-        from eqx_train.checkpoints import _read_once
+        from eqx_train.checkpoints.pipeline import _read_once
 
         _read_once.TIMEOUT_S = 2
         with warnings.catch_warnings(record=True) as caught:

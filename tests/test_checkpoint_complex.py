@@ -181,7 +181,7 @@ def test_a_reader_of_version_1_refuses_complex_as_newer_and_its_manager_keeps_it
     # An eqx_train that reads version 1 only (every release before complex numbers) must
     # neither return complex128's (real, imaginary) float64 pairs as the saved values nor
     # take a complex code for corruption, which would make its manager move the file aside.
-    from eqx_train.checkpoints import _header_codes
+    from eqx_train.checkpoints.format import _header_codes
 
     save = {"file": checkpoints.save_checkpoint, "shards": checkpoints.save_checkpoint_multiprocess}
     save[layout](tmp_path, {"b": leaf()}, 1)

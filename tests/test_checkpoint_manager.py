@@ -14,7 +14,8 @@ import pytest
 from safetensors import safe_open
 
 from eqx_train import EarlyStopping, TrainState, checkpoints
-from eqx_train.checkpoints import CheckpointManager, _retention
+from eqx_train.checkpoints import CheckpointManager
+from eqx_train.checkpoints.manager import _retention
 from tests.helpers import flip_last_byte, run_then_sigkill
 
 
@@ -379,7 +380,7 @@ def test_processes_skip_a_corrupt_checkpoint_only_once_they_all_agree(tmp_path, 
 
     import jax
 
-    from eqx_train.checkpoints import _coordination
+    from eqx_train.checkpoints.pipeline import _coordination
 
     manager = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
     for step in (1, 2):

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import CheckpointManager, _coordination, _manager
+from eqx_train.checkpoints import CheckpointManager
+from eqx_train.checkpoints.manager import _manager
+from eqx_train.checkpoints.pipeline import _coordination
 
 WORKER = os.path.join(os.path.dirname(__file__), "policies_worker.py")
 

@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     import json, os, signal, sys, threading
     import numpy as np
     from eqx_train import checkpoints
-    from eqx_train.checkpoints import _format
+    from eqx_train.checkpoints.format import _format
 
     args = json.loads(sys.argv[1])
 

@@ -19,7 +19,9 @@ import optax
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager, _format, _restore
+from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager
+from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.pipeline import _restore
 from tests.helpers import assert_trees_equal
 
 # ---------------------------------------------------------------- helpers
@@ -515,7 +517,7 @@ def _dead_pid():
 
 
 def test_every_save_removes_dead_writers_temporaries_of_its_prefix_only(tmp_path):
-    from eqx_train.checkpoints import _names
+    from eqx_train.checkpoints.format import _names
 
     host = _names.host_id()
     dead = f".checkpoint_3.safetensors.tmp-{host}-{_dead_pid()}-{'a' * 16}"
@@ -532,7 +534,7 @@ def test_every_save_removes_dead_writers_temporaries_of_its_prefix_only(tmp_path
 
 
 def test_async_saves_remove_dead_writers_temporaries_too(tmp_path):
-    from eqx_train.checkpoints import _names
+    from eqx_train.checkpoints.format import _names
 
     dead = f".checkpoint_3.safetensors.tmp-{_names.host_id()}-{_dead_pid()}-{'a' * 16}"
     (tmp_path / dead).write_bytes(b"x")
@@ -543,7 +545,7 @@ def test_async_saves_remove_dead_writers_temporaries_too(tmp_path):
 
 
 def test_uncommitted_shards_directories_of_dead_writers_are_removed(tmp_path):
-    from eqx_train.checkpoints import _names
+    from eqx_train.checkpoints.format import _names
 
     token = f"{_names.host_id()}-{_dead_pid()}-{'f' * 16}"
     stale = tmp_path / "checkpoint_9.shards"
@@ -720,7 +722,7 @@ def test_sharded_checkpoint_pieces_are_verified(tmp_path):
 
 
 def test_two_interleaved_overwrites_of_a_shards_step_leave_one_readable_version(tmp_path):
-    from eqx_train.checkpoints import _multiprocess
+    from eqx_train.checkpoints.pipeline import _multiprocess
 
     save = checkpoints.save_checkpoint_multiprocess
     save(tmp_path, {"w": np.full(2, 0.0)}, 5)
@@ -741,7 +743,7 @@ def test_two_interleaved_overwrites_of_a_shards_step_leave_one_readable_version(
 
 
 def test_restore_racing_a_shards_overwrite_returns_one_version(tmp_path, monkeypatch):
-    from eqx_train.checkpoints import _shards
+    from eqx_train.checkpoints.format import _shards
 
     save = checkpoints.save_checkpoint_multiprocess
     save(tmp_path, {"w": np.full(2, 1.0)}, 1)
@@ -806,7 +808,7 @@ def test_a_prefix_ending_like_a_number_is_refused(tmp_path, prefix):
 
 
 def test_odd_names_in_the_way_of_cleanup_never_block_a_save(tmp_path):
-    from eqx_train.checkpoints import _names
+    from eqx_train.checkpoints.format import _names
 
     host = _names.host_id()
     (tmp_path / f".checkpoint_5.safetensors.tmp-{host}-{_dead_pid()}-{'0' * 16}").mkdir()

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _format, _transfer, _window
+from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.pipeline import _transfer, _window
 
 LEAF = 64 << 10  # bytes of each leaf below
 

@@ -142,7 +142,8 @@ def test_pieces_that_do_not_tile_an_array_exactly_once_are_never_committed(
     import numpy as np
 
     from eqx_train import checkpoints
-    from eqx_train.checkpoints import _description, _multiprocess
+    from eqx_train.checkpoints.format import _description
+    from eqx_train.checkpoints.pipeline import _multiprocess
 
     real_plan = _multiprocess.plan_pieces
     checkpoints.save_checkpoint_multiprocess(tmp_path, {"x": np.zeros(4)}, 1)

@@ -20,7 +20,8 @@ import optax
 import pytest
 
 from eqx_train import TrainState, checkpoints
-from eqx_train.checkpoints import _format, _locations, _names, _object_storage
+from eqx_train.checkpoints.format import _format, _names
+from eqx_train.checkpoints.storage import _locations, _object_storage
 from tests.helpers import assert_trees_equal
 
 
@@ -349,7 +350,7 @@ def test_leftovers_of_writers_on_other_hosts_go_only_after_the_stale_limit(monke
     another machine may be a live save's, and is removed only once older than `STALE_S`."""
     import types
 
-    from eqx_train.checkpoints import _directory
+    from eqx_train.checkpoints.pipeline import _directory
 
     url = "memory://eqx-test-stale/run"
     fs = fsspec.filesystem("memory")
@@ -387,7 +388,7 @@ import json, os, signal, sys
 import numpy as np
 import s3fs.core
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _object_storage
+from eqx_train.checkpoints.storage import _object_storage
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
 _object_storage._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
@@ -452,7 +453,7 @@ import json, os, sys
 import numpy as np
 import s3fs.core
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _object_storage
+from eqx_train.checkpoints.storage import _object_storage
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
 _object_storage._PART_BYTES = 5 << 20

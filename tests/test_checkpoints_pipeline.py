@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _format, _snapshot, _transfer, _window
+from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.pipeline import _snapshot, _transfer, _window
 from tests.helpers import assert_trees_equal, hold_the_writer
 
 MiB = 1 << 20
@@ -184,7 +185,8 @@ def test_a_leaf_that_appears_twice_is_saved_twice_by_an_async_save(tmp_path, sna
 def test_an_upload_tried_again_rereads_the_snapshot(snapshot, monkeypatch):
     """A store that answers 501 to a conditional write: the upload is made again without
     the condition, and reads every leaf again (after the snapshot's first two passes)."""
-    from eqx_train.checkpoints import _api, _object_storage
+    from eqx_train.checkpoints import _api
+    from eqx_train.checkpoints.storage import _object_storage
     from tests.test_object_store_races import FakeS3
 
     fs = FakeS3()

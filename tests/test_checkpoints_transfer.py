@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eqx_train.checkpoints import _description, _snapshot, _transfer, _window
+from eqx_train.checkpoints.format import _description
+from eqx_train.checkpoints.pipeline import _snapshot, _transfer, _window
 
 MiB = 1 << 20
 

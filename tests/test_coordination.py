@@ -11,7 +11,7 @@ import time
 import jax
 import pytest
 
-from eqx_train.checkpoints import _coordination as co
+from eqx_train.checkpoints.pipeline import _coordination as co
 from tests.helpers import free_port, run_processes
 
 WORKER = os.path.join(os.path.dirname(__file__), "coordination_worker.py")

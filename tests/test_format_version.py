@@ -17,7 +17,7 @@ from eqx_train.checkpoints import (
     NewerFormatError,
     UnreadableCheckpointWarning,
 )
-from eqx_train.checkpoints._checksums import text_digest
+from eqx_train.checkpoints.format._checksums import text_digest
 
 VERSION = "eqx_train.format_version"
 

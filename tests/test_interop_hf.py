@@ -213,7 +213,7 @@ def test_a_new_save_removes_the_previous_saves_files_after_its_index(tmp_path):
 def test_a_crash_before_the_index_leaves_the_previous_save(tmp_path, monkeypatch):
     old = {"w": np.zeros(64, np.float32), "v": np.zeros(64, np.float32)}
     save_sharded(tmp_path, old, max_shard_size=256)
-    from eqx_train.checkpoints import _storage
+    from eqx_train.checkpoints.storage import _storage
 
     real = _storage.LocalStorage.atomic_write
 
@@ -251,7 +251,7 @@ def test_replacing_another_tools_shards_never_mixes_two_saves(tmp_path, monkeypa
     """huggingface_hub's index carries no save token: before shards of the same names are
     replaced under it, it is removed, so a crash mid-save cannot leave old and new shards
     that load as one model."""
-    from eqx_train.checkpoints import _storage
+    from eqx_train.checkpoints.storage import _storage
 
     old = {"a": np.zeros(64, np.float32), "b": np.zeros(64, np.float32)}
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
@@ -362,7 +362,7 @@ def test_only_the_shards_holding_needed_tensors_are_read(tmp_path, monkeypatch):
     save_sharded(
         tmp_path, {"w": np.zeros(64, np.float32), "v": np.ones(64, np.float32)}, max_shard_size=256
     )
-    from eqx_train.checkpoints import _format
+    from eqx_train.checkpoints.format import _format
 
     read_from = []
     real = _format.FileReader.read

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _format, _locations, _object_storage
+from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.storage import _locations, _object_storage
 from tests.helpers import assert_trees_equal
 
 

@@ -15,7 +15,9 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _directory, _names, _object_storage, _restore
+from eqx_train.checkpoints.format import _names
+from eqx_train.checkpoints.pipeline import _directory, _restore
+from eqx_train.checkpoints.storage import _object_storage
 
 
 class FakeUpload:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import _locations, _object_storage
+from eqx_train.checkpoints.storage import _locations, _object_storage
 from tests.helpers import assert_trees_equal
 
 INDEX = "index.safetensors"
@@ -118,7 +118,8 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
     after a definite failure it takes its piece back."""
     import jax
 
-    from eqx_train.checkpoints import _coordination, _multiprocess, _storage
+    from eqx_train.checkpoints.pipeline import _coordination, _multiprocess
+    from eqx_train.checkpoints.storage import _storage
 
     url = "memory://eqx-test-unsure-peer/run/checkpoint_1.shards"
     store = _locations.resolve(url, None, caller="test")[0]

@@ -16,10 +16,10 @@ from eqx_train.checkpoints import (
     CheckpointManager,
     PartialRestoreWarning,
     RestorePlan,
-    _format,
     plan_restore,
     restore_checkpoint,
 )
+from eqx_train.checkpoints.format import _format
 from tests.helpers import assert_trees_equal, flip_last_byte
 
 

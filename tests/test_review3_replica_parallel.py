@@ -12,16 +12,9 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import (
-    _coordination,
-    _format,
-    _manager,
-    _multiprocess,
-    _names,
-    _read_once,
-    _restore,
-    _shards,
-)
+from eqx_train.checkpoints.format import _format, _names, _shards
+from eqx_train.checkpoints.manager import _manager
+from eqx_train.checkpoints.pipeline import _coordination, _multiprocess, _read_once, _restore
 
 _TOKEN = _names.new_token()
 
@@ -180,7 +173,7 @@ def _crafted(tmp_path, pieces):
 
 
 def _Tensor(name, array):
-    from eqx_train.checkpoints import _description
+    from eqx_train.checkpoints.format import _description
 
     return _description.Tensor(name, lambda: array, array.dtype, array.shape)
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import CheckpointManager, _fallback, _storage
+from eqx_train.checkpoints import CheckpointManager
+from eqx_train.checkpoints.manager import _fallback
+from eqx_train.checkpoints.storage import _storage
 from tests.helpers import flip_last_byte
 
 

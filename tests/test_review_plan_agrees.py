@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints import (
-    PartialRestoreWarning,
-    _format,
-    _shards,
-    plan_restore,
-    restore_checkpoint,
-)
+from eqx_train.checkpoints import PartialRestoreWarning, plan_restore, restore_checkpoint
+from eqx_train.checkpoints.format import _format, _shards
 
 
 class Block(eqx.Module):

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
 
 from eqx_train import TrainState, checkpoints
-from eqx_train.checkpoints import _description
+from eqx_train.checkpoints.format import _description
 from eqx_train.testing import (
     assert_checkpoint_roundtrip,
     assert_resumes_exactly,

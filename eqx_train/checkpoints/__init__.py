@@ -13,34 +13,34 @@ if TYPE_CHECKING:
         save_checkpoint as save_checkpoint,
         save_checkpoint_multiprocess as save_checkpoint_multiprocess,
     )
-    from ._async import AsyncManager as AsyncManager
     from ._errors import (
         CheckpointFormatError as CheckpointFormatError,
         NewerFormatError as NewerFormatError,
     )
-    from ._fallback import UnreadableCheckpointWarning as UnreadableCheckpointWarning
-    from ._legacy import convert_pre_linen as convert_pre_linen
-    from ._manager import CheckpointManager as CheckpointManager
-    from ._matching import PartialRestoreWarning as PartialRestoreWarning
-    from ._multiprocess import BarrierTimeoutError as BarrierTimeoutError
     from ._plan import RestorePlan as RestorePlan, plan_restore as plan_restore
-    from ._selection import ConfigMismatchWarning as ConfigMismatchWarning
+    from .format._legacy import convert_pre_linen as convert_pre_linen
+    from .manager._fallback import UnreadableCheckpointWarning as UnreadableCheckpointWarning
+    from .manager._manager import CheckpointManager as CheckpointManager
+    from .pipeline._async import AsyncManager as AsyncManager
+    from .pipeline._matching import PartialRestoreWarning as PartialRestoreWarning
+    from .pipeline._multiprocess import BarrierTimeoutError as BarrierTimeoutError
+    from .pipeline._selection import ConfigMismatchWarning as ConfigMismatchWarning
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
 __getattr__, __dir__ = exports(
     __name__,
     {
-        "AsyncManager": "_async",
-        "BarrierTimeoutError": "_multiprocess",
+        "AsyncManager": "pipeline._async",
+        "BarrierTimeoutError": "pipeline._multiprocess",
         "CheckpointFormatError": "_errors",
-        "CheckpointManager": "_manager",
-        "ConfigMismatchWarning": "_selection",
+        "CheckpointManager": "manager._manager",
+        "ConfigMismatchWarning": "pipeline._selection",
         "NewerFormatError": "_errors",
-        "PartialRestoreWarning": "_matching",
+        "PartialRestoreWarning": "pipeline._matching",
         "RestorePlan": "_plan",
-        "UnreadableCheckpointWarning": "_fallback",
+        "UnreadableCheckpointWarning": "manager._fallback",
         "available_steps": "_api",
-        "convert_pre_linen": "_legacy",
+        "convert_pre_linen": "format._legacy",
         "latest_checkpoint": "_api",
         "plan_restore": "_plan",
         "restore_checkpoint": "_api",

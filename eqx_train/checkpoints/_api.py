@@ -16,24 +16,22 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from . import (
-    _description,
+from .format import _description, _format, _names
+from .pipeline import (
     _directory,
-    _format,
-    _locations,
     _matching,
     _multiprocess,
-    _names,
     _restore,
     _selection,
     _snapshot,
     _transform,
     _window,
 )
-from ._async import AsyncManager
-from ._snapshot import SnapshotMode
-from ._storage import Storage
-from ._window import DEFAULT_HOST_WINDOW_BYTES
+from .pipeline._async import AsyncManager
+from .pipeline._snapshot import SnapshotMode
+from .pipeline._window import DEFAULT_HOST_WINDOW_BYTES
+from .storage import _locations
+from .storage._storage import Storage
 
 T = TypeVar("T")
 

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from . import _matching, _restore, _selection, _transform, _window
-from ._window import DEFAULT_HOST_WINDOW_BYTES
+from .pipeline import _matching, _restore, _selection, _transform, _window
+from .pipeline._window import DEFAULT_HOST_WINDOW_BYTES
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _layouts, _locations, _matching, _names, _restore, _selection, _transform
+from .format import _layouts, _names
+from .pipeline import _matching, _restore, _selection, _transform
+from .storage import _locations
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,13 @@ place so that they never reach into a private module. Users want `eqx_train.chec
 Importing this module does not import JAX (the command line starts without it).
 """
 
-from ._checksums import text_digest as text_digest
-from ._description import (
+from ._errors import (
+    CheckpointFormatError as CheckpointFormatError,
+    short as short,
+)
+from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
+from .format._checksums import text_digest as text_digest
+from .format._description import (
     MAX_DEPTH as MAX_DEPTH,
     Tensor as Tensor,
     describe as describe,
@@ -16,15 +21,7 @@ from ._description import (
     key_impls as key_impls,
     parse_json as parse_json,
 )
-from ._directory import (
-    list_checkpoints as list_checkpoints,
-    remove_paths as remove_paths,
-)
-from ._errors import (
-    CheckpointFormatError as CheckpointFormatError,
-    short as short,
-)
-from ._format import (
+from .format._format import (
     MAX_NDIM as MAX_NDIM,
     FileReader as FileReader,
     aligned_empty as aligned_empty,
@@ -33,8 +30,8 @@ from ._format import (
     write_all as write_all,
     write_file as write_file,
 )
-from ._hf_layout import IndexReader as IndexReader
-from ._layouts import (
+from .format._hf_layout import IndexReader as IndexReader
+from .format._layouts import (
     FOREIGN_READERS as FOREIGN_READERS,
     ForeignCheckpointError as ForeignCheckpointError,
     Location as Location,
@@ -43,8 +40,7 @@ from ._layouts import (
     locate as locate,
     open_reader as open_reader,
 )
-from ._matching import Casting as Casting, Rename as Rename
-from ._names import (
+from .format._names import (
     FORMAT_KEY as FORMAT_KEY,
     FORMAT_NAME as FORMAT_NAME,
     FORMAT_VERSION as FORMAT_VERSION,
@@ -68,14 +64,15 @@ from ._names import (
     step_from_text as step_from_text,
     writer_is_dead as writer_is_dead,
 )
-from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
-from ._restore import (
-    Reader as Reader,
-    restore_from as restore_from,
+from .pipeline._directory import (
+    list_checkpoints as list_checkpoints,
+    remove_paths as remove_paths,
 )
-from ._storage import (
+from .pipeline._matching import Casting as Casting, Rename as Rename
+from .pipeline._restore import Reader as Reader, restore_from as restore_from
+from .pipeline._transform import Transform as Transform
+from .storage._storage import (
     LocalSource as LocalSource,
     LocalStorage as LocalStorage,
     fsync_dir as fsync_dir,
 )
-from ._transform import Transform as Transform

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from . import _names
-from ._errors import invalid
+from .._errors import invalid
+from ..format import _names
 
 
 @dataclass(frozen=True)

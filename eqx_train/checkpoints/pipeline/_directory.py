@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from . import _names, _shards
-from ._storage import Storage
+from ..format import _names, _shards
+from ..storage._storage import Storage
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,13 @@ if TYPE_CHECKING:
     import jax
     from jax.sharding import NamedSharding
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
 
-from . import _coordination, _shards
-from ._errors import CheckpointFormatError
+from .._errors import CheckpointFormatError
+from ..format import _shards
+from . import _coordination
 
 CALLER = "restore_checkpoint"
 # How long a process waits for its peers before reading alone; a process arriving later

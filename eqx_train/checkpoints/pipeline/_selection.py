@@ -15,13 +15,13 @@ if TYPE_CHECKING:
     import jax
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     eqx = LazyModule("equinox")
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from ._errors import outside_stacklevel
+from .._errors import outside_stacklevel
 
 Config = Literal["target", "saved"]
 CONFIG_CHOICES = ("target", "saved")

@@ -41,16 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _header_codes, _transfer
+from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
+from ..pipeline import _transfer
+from ..pipeline._window import HostWindow, add_stage, current_window, stage, timing
+from ..storage._storage import LocalStorage, Source, start_writeback
+from . import _header_codes
 from ._checksums import checksum, chunks, hasher, text_digest, verify_bytes
-from ._description import (
-    DTYPE_TO_CODE,
-    Arrays,
-    Tensor,
-    parse_description,
-    parse_json,
-)
-from ._errors import CheckpointFormatError, NewerFormatError, invalid, short
+from ._description import DTYPE_TO_CODE, Arrays, Tensor, parse_description, parse_json
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
@@ -63,8 +60,6 @@ from ._names import (
     STEP_KEY,
     TREE_KEY,
 )
-from ._storage import LocalStorage, Source, start_writeback
-from ._window import HostWindow, add_stage, current_window, stage, timing
 
 # A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
 # Python objects, so the cap is what bounds a hostile file's memory.

@@ -15,25 +15,20 @@ from typing import Any, Literal, TypeVar
 import jax
 from jax.typing import ArrayLike
 
-from . import (
-    _coordination,
-    _directory,
-    _locations,
-    _matching,
-    _names,
-    _preemption,
-    _retention,
-    _selection,
-    _snapshot,
-    _transform,
+from .._api import restore_checkpoint, save_pipeline
+from ..format import _names
+from ..format._names import (
+    METRICS_KEY as _METRICS_KEY,
+    USER_METADATA_KEY as _USER_METADATA_KEY,
 )
-from ._api import restore_checkpoint, save_pipeline
-from ._async import AsyncManager
+from ..pipeline import _coordination, _directory, _matching, _selection, _snapshot, _transform
+from ..pipeline._async import AsyncManager
+from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
+from ..pipeline._snapshot import SnapshotMode
+from ..pipeline._window import DEFAULT_HOST_WINDOW_BYTES
+from ..storage import _locations
+from . import _preemption, _retention
 from ._fallback import restore_latest_that_verifies
-from ._names import METRICS_KEY as _METRICS_KEY, USER_METADATA_KEY as _USER_METADATA_KEY
-from ._restore import RESTORE_ATTEMPTS, restore_entry
-from ._snapshot import SnapshotMode
-from ._window import DEFAULT_HOST_WINDOW_BYTES
 
 T = TypeVar("T")
 

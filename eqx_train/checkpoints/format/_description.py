@@ -28,14 +28,14 @@ if TYPE_CHECKING:
     import jax.numpy as jnp
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import as_weak, is_state, path_to_name, place_like, state_entries
-from ._errors import short
+from ..._tree import as_weak, is_state, path_to_name, place_like, state_entries
+from .._errors import short
 from ._names import RESERVED_TENSOR_NAMES
 
 MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too

@@ -23,19 +23,20 @@ if TYPE_CHECKING:
     import jax
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import weak_like
-from . import _directory, _matching, _names, _read_once, _selection, _transform
-from ._description import LeafKind, rebuild
-from ._errors import CheckpointFormatError, invalid, short
-from ._format import FileReader
-from ._layouts import Location, foreign_directory, locate, open_reader
-from ._shards import ShardedReader
-from ._storage import Storage
+from ..._tree import weak_like
+from .._errors import CheckpointFormatError, invalid, short
+from ..format import _names
+from ..format._description import LeafKind, rebuild
+from ..format._format import FileReader
+from ..format._layouts import Location, foreign_directory, locate, open_reader
+from ..format._shards import ShardedReader
+from ..storage._storage import Storage
+from . import _directory, _matching, _read_once, _selection, _transform
 from ._transfer import windowed_reads
 from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage
 

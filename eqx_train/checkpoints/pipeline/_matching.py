@@ -23,15 +23,15 @@ if TYPE_CHECKING:
     import jax
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
+from .._errors import outside_stacklevel
+from ..format._description import LeafKind, key_impl, key_impls, kind_of
+from ..format._leaf_names import leaf_names
 from . import _selection, _transform
-from ._description import LeafKind, key_impl, key_impls, kind_of
-from ._errors import outside_stacklevel
-from ._leaf_names import leaf_names
 from ._rename import (
     ROOT,
     Rename as Rename,

@@ -23,18 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import short
+from ..storage._storage import Storage
 from ._description import CODE_TO_DTYPE, parse_json
-from ._errors import short
 from ._format import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
-from ._names import (
-    ARRAYS_KEY,
-    INDEX_NAME,
-    PIECES_KEY,
-    PROCESS_KEY,
-    SAVE_KEY,
-    parse_piece_file,
-)
-from ._storage import Storage
+from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, PROCESS_KEY, SAVE_KEY, parse_piece_file
 
 _MAX_PIECES = 1 << 20
 

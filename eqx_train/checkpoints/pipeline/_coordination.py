@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import jax
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from . import _names
-from ._errors import invalid
+from .._errors import invalid
+from ..format import _names
 from ._storage import Item, Source, Upload, Writer, client_errors
 
 _PART_BYTES = 64 << 20  # multipart upload part size

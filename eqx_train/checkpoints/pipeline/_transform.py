@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     import jax
     import jax.numpy as jnp
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
 
-from ._errors import short
+from .._errors import short
 
 Transform = Mapping[str, Callable[[Any], Any]] | Callable[[str, Any], Any] | None
 Shape = tuple[int, ...]

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import jax.tree_util as jtu
 else:
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jtu = LazyModule("jax.tree_util")
 
-from .._tree import flatten_with_names, is_state, path_to_name
+from ..._tree import flatten_with_names, is_state, path_to_name
 
 
 def leaf_names(target: Any, available: Mapping[str, Any], path: str, caller: str) -> list[str]:

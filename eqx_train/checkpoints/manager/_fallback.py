@@ -14,8 +14,11 @@ from typing import Any, TypeVar
 
 import jax
 
-from . import _coordination, _directory, _errors, _names, _storage
-from ._restore import RESTORE_ATTEMPTS, restore_entry
+from .. import _errors
+from ..format import _names
+from ..pipeline import _coordination, _directory
+from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
+from ..storage import _storage
 
 T = TypeVar("T")
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import CheckpointFormatError, invalid, short
+from ..storage._storage import LocalSource
 from ._checksums import text_digest
 from ._description import parse_json
-from ._errors import CheckpointFormatError, invalid, short
 from ._format import FileReader, ReaderBase
 from ._names import HF_INDEX_NAME, HF_SAVE_KEY, HF_TREE_CHECKSUM_KEY, TREE_KEY
-from ._storage import LocalSource
 
 _MAX_INDEX_BYTES = 64 << 20
 

@@ -23,23 +23,16 @@ import numpy as np
 if TYPE_CHECKING:
     import jax
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
 
-from . import (
-    _coordination,
-    _description,
-    _directory,
-    _errors,
-    _format,
-    _header_codes,
-    _names,
-    _shards,
-)
+from .. import _errors
+from ..format import _description, _format, _header_codes, _names, _shards
+from ..format._names import PIECES_KEY
+from ..storage._storage import Storage
+from . import _coordination, _directory
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
-from ._names import PIECES_KEY
-from ._storage import Storage
 
 _COMMITTED = "committed"
 # The start of process 0's answer when its index write failed without a refusal: the index

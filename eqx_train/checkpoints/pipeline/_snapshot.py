@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     import jax
     import jax.numpy as jnp
 
-    from ._description import Tensor
+    from ..format._description import Tensor
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")

@@ -33,9 +33,9 @@ _GROUPS_PER_WINDOW = 4
 if TYPE_CHECKING:
     import jax
 
-    from ._description import Tensor
+    from ..format._description import Tensor
 else:  # imported on first use: the command line reads headers without JAX
-    from .._lazy import LazyModule
+    from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
 

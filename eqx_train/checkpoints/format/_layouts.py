@@ -17,12 +17,12 @@ import os
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+from .._errors import CheckpointFormatError, short
+from ..storage._storage import Storage
 from . import _names
-from ._errors import CheckpointFormatError, short
 from ._format import FileReader
 from ._hf_layout import IndexReader
 from ._shards import ShardedReader
-from ._storage import Storage
 
 Layout = Literal["file", "shards", "hf", "directory"]
 Foreign = Literal["flax", "orbax", "torch", "hf-index", "json", "safetensors"]

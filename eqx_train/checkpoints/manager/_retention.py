@@ -14,11 +14,13 @@ from typing import Any
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _directory, _format, _names, _storage
-from ._errors import NewerFormatError, outside_stacklevel
+from .._errors import NewerFormatError, outside_stacklevel
+from ..format import _format, _names
+from ..format._names import METRICS_KEY as _METRICS_KEY
+from ..pipeline import _directory
+from ..pipeline._restore import RESTORE_ATTEMPTS
+from ..storage import _storage
 from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
-from ._names import METRICS_KEY as _METRICS_KEY
-from ._restore import RESTORE_ATTEMPTS
 
 
 def check_policy(
