@@ -1,15 +1,74 @@
-"""The one error a checkpoint reader raises for a bad file, and the one way to build it.
+"""The checkpoint package's errors, and how they learn which public call they come from.
 
 Every reader (a single file, a `.shards` index and its pieces, a Hugging Face index, the
 byte sources under them) reports what is wrong with a file as
 `{path} is not a valid checkpoint: {why}.`, through `invalid`.
+
+Errors name the public call the user made (`restore_checkpoint: ...`). That name is set
+once, where the call crosses the API boundary (`@public_call("restore_checkpoint")`), and
+read where an error is built (`call()`); no layer below passes it on. Work handed to
+another thread runs in the caller's context through `in_context`.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+# The public call in progress in this context; the outermost one wins, so that an error of
+# the `save_checkpoint` a manager's `save` runs names `CheckpointManager.save`.
+_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("eqx_train_call", default=None)
+
+
+def call(default: str = "eqx_train") -> str:
+    """The name of the public call in progress (`"restore_checkpoint"`,
+    `"CheckpointManager.save"`), for an error message; `default` outside any."""
+    return _CALL.get() or default
+
+
+@contextmanager
+def calling(name: str) -> Iterator[None]:
+    """Within this block, errors name `name` as the public call, unless an outer public call
+    already named itself."""
+    token = _CALL.set(name) if _CALL.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _CALL.reset(token)
+
+
+def public_call(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Decorates a public function: its errors, raised however deep, name `name`."""
+
+    def decorate(function: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(function)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with calling(name):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def in_context(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`function`, to run on another thread (a pool, a background save) in the context of the
+    thread that wraps it: its errors name the same public call."""
+    context = contextvars.copy_context()
+
+    @functools.wraps(function)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return context.run(function, *args, **kwargs)
+
+    return wrapper
 
 
 class CheckpointFormatError(ValueError):
