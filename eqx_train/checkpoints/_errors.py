@@ -62,11 +62,17 @@ def public_call(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
 def in_context(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """`function`, to run on another thread (a pool, a background save) in the context of the
     thread that wraps it: its errors name the same public call."""
-    context = contextvars.copy_context()
+    name = _CALL.get()
 
     @functools.wraps(function)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return context.run(function, *args, **kwargs)
+        # Set per run, not by entering one copied Context: a pool runs the same wrapper on
+        # several threads at once, and a Context can be entered by one thread at a time.
+        token = _CALL.set(name)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _CALL.reset(token)
 
     return wrapper
 
