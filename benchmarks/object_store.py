@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from _timing import print_table  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
-from eqx_train.checkpoints.storage import _locations, _object_storage  # noqa: E402
+from eqx_train.checkpoints.storage import _fsspec, _locations  # noqa: E402
 from tests.s3_server import SeaweedS3  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict
     bucket = server.create_bucket(f"bench-{leaves}-{os.getpid()}")
     url = f"{bucket}/run"
     store, _ = _locations.resolve(url, options, caller="bench")
-    assert isinstance(store, _object_storage.ObjectStorage)
+    assert isinstance(store, _fsspec.FsspecStorage)
     fs = store.fs
     per_leaf = size_mib * (1 << 20) // leaves // 4
     rng = np.random.default_rng(0)
@@ -93,7 +93,7 @@ def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict
     assert all(np.array_equal(restored[k], tree[k]) for k in tree)
     # One leaf: count the bytes fetched (the header's first request included).
     fetched = []
-    real = _object_storage._ObjectSource.read_ranges
+    real = _fsspec.FsspecSource.read_ranges
 
     def counting(self, jobs):
         fetched.extend(len(view) for view, _ in jobs)
@@ -104,14 +104,14 @@ def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict
         "little",
     )
 
-    _object_storage._ObjectSource.read_ranges = counting  # type: ignore[method-assign]
+    _fsspec.FsspecSource.read_ranges = counting  # type: ignore[method-assign]
     try:
         name = f"leaf_{leaves // 2:03d}"
         checkpoints.restore_checkpoint(
             url, {name: target[name]}, strict=False, storage_options=options
         )
     finally:
-        _object_storage._ObjectSource.read_ranges = real  # type: ignore[method-assign]
+        _fsspec.FsspecSource.read_ranges = real  # type: ignore[method-assign]
     med = {k: statistics.median(v) for k, v in samples.items()}
     mib = size_mib
     return {
@@ -152,7 +152,7 @@ def measure_requests(server: SeaweedS3, retained: int) -> dict:
     options = server.storage_options
     bucket = server.create_bucket(f"requests-{retained}-{os.getpid()}")
     store, _ = _locations.resolve(f"{bucket}/x", options, caller="bench")
-    assert isinstance(store, _object_storage.ObjectStorage)
+    assert isinstance(store, _fsspec.FsspecStorage)
     counter = RequestCounter(store.fs)
     tree = {"w": np.zeros(1024, np.float32), "b": np.zeros(16, np.int32)}
     fill = retained + 2  # full, and retention has run

@@ -534,13 +534,13 @@ elif mode == "peer_dies":
         directory, global_tree(1, mesh_1d, P("d")), 1, timeout_s=60
     )
     if pid == 1:
-        from eqx_train.checkpoints.storage import _object_storage, _storage
+        from eqx_train.checkpoints.storage import _fsspec, _local
 
         def die(*args, **kwargs):
             os._exit(3)  # killed mid-save, after the save started
 
-        _storage.LocalStorage.atomic_write = die
-        _object_storage.ObjectStorage.atomic_write = die
+        _local.LocalStorage.atomic_write = die
+        _fsspec.FsspecStorage.atomic_write = die
     try:
         checkpoints.save_checkpoint_multiprocess(
             directory, global_tree(2, mesh_1d, P("d")), 2, timeout_s=4

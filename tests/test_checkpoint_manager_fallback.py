@@ -15,7 +15,7 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, UnreadableCheckpointWarning
 from eqx_train.checkpoints.pipeline import _directory
-from eqx_train.checkpoints.storage import _storage
+from eqx_train.checkpoints.storage import _local
 from tests.helpers import flip_last_byte
 from tests.test_docs_examples import DOCS, _blocks
 
@@ -160,7 +160,7 @@ def eio_reading(monkeypatch):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(_storage.os, "preadv", preadv)
+    monkeypatch.setattr(_local.os, "preadv", preadv)
     return lambda path: failing.append(os.path.realpath(path))
 
 
@@ -202,7 +202,7 @@ def test_moving_aside_never_replaces_a_file_that_took_the_name_after_the_check(
     _saved(tmp_path, [6, 7])
     flip_last_byte(tmp_path / "checkpoint_7.safetensors")
     intruder = tmp_path / "corrupt-checkpoint_7.safetensors"
-    real_exists = _storage.LocalStorage.exists
+    real_exists = _local.LocalStorage.exists
 
     def exists(self, path):
         free = real_exists(self, path)
@@ -210,7 +210,7 @@ def test_moving_aside_never_replaces_a_file_that_took_the_name_after_the_check(
             intruder.write_bytes(b"not yours")  # lands right after the check
         return free
 
-    monkeypatch.setattr(_storage.LocalStorage, "exists", exists)
+    monkeypatch.setattr(_local.LocalStorage, "exists", exists)
     # A rename that checked first would replace it, as os.rename does: the check passes.
     monkeypatch.setattr(os.path, "lexists", lambda path: False)
     manager = CheckpointManager(tmp_path, keep_latest=2, handle_sigterm=False)
@@ -224,14 +224,14 @@ def test_moving_aside_never_replaces_a_file_that_took_the_name_after_the_check(
     manager.close()
 
 
-@pytest.mark.skipif(_storage._RENAMEAT2 is None, reason="renameat2 is Linux-only")
+@pytest.mark.skipif(_local._RENAMEAT2 is None, reason="renameat2 is Linux-only")
 def test_a_local_move_refuses_a_destination_that_appeared_after_any_check(tmp_path, monkeypatch):
     source, taken = tmp_path / "a", tmp_path / "b"
     source.write_bytes(b"a")
     taken.write_bytes(b"b")
     monkeypatch.setattr(os.path, "lexists", lambda path: False)  # every check says "free"
     with pytest.raises(FileExistsError, match="b"):
-        _storage.LocalStorage().move(str(source), str(taken))
+        _local.LocalStorage().move(str(source), str(taken))
     assert taken.read_bytes() == b"b" and source.read_bytes() == b"a"
 
 
@@ -264,19 +264,19 @@ def test_a_local_move_without_rename_noreplace_still_refuses_an_existing_destina
     tmp_path, monkeypatch, kernel
 ):
     if kernel == "no renameat2":
-        monkeypatch.setattr(_storage, "_RENAMEAT2", None)
+        monkeypatch.setattr(_local, "_RENAMEAT2", None)
     else:
 
         def renameat2(*args):
             ctypes.set_errno(errno.EINVAL)  # what such a file system answers
             return -1
 
-        monkeypatch.setattr(_storage, "_RENAMEAT2", renameat2)
+        monkeypatch.setattr(_local, "_RENAMEAT2", renameat2)
     source, taken, free = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     source.write_bytes(b"a")
     taken.write_bytes(b"b")
     with pytest.raises(FileExistsError):
-        _storage.LocalStorage().move(str(source), str(taken))
+        _local.LocalStorage().move(str(source), str(taken))
     assert taken.read_bytes() == b"b" and source.read_bytes() == b"a"
-    _storage.LocalStorage().move(str(source), str(free))
+    _local.LocalStorage().move(str(source), str(free))
     assert free.read_bytes() == b"a" and not source.exists()

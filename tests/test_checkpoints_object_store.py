@@ -21,7 +21,7 @@ import pytest
 
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints.format import _format, _names
-from eqx_train.checkpoints.storage import _locations, _object_storage
+from eqx_train.checkpoints.storage import _fsspec, _locations
 from tests.helpers import assert_trees_equal
 
 
@@ -135,13 +135,13 @@ def test_restoring_one_leaf_reads_only_its_bytes(location, monkeypatch):
     tree = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(8)}
     checkpoints.save_checkpoint(url, tree, 1, storage_options=options)
     requested = []
-    real = _object_storage._ObjectSource.read_ranges
+    real = _fsspec.FsspecSource.read_ranges
 
     def counting(self, jobs):
         requested.extend(len(view) for view, _ in jobs)
         return real(self, jobs)
 
-    monkeypatch.setattr(_object_storage._ObjectSource, "read_ranges", counting)
+    monkeypatch.setattr(_fsspec.FsspecSource, "read_ranges", counting)
     with pytest.warns(checkpoints.PartialRestoreWarning, match="saved tensors went unused"):
         out = checkpoints.restore_checkpoint(
             url, {"w5": np.zeros((256, 256), np.float32)}, strict=False, storage_options=options
@@ -233,7 +233,7 @@ def _forget(url):
 def _hook_second_read(monkeypatch, action):
     """Runs `action` once, just before the second byte-range read of any object: after a
     restore has read a header, before it reads the data."""
-    real = _object_storage._ObjectSource.read_ranges
+    real = _fsspec.FsspecSource.read_ranges
     calls = []
 
     def hooked(self, jobs):
@@ -242,7 +242,7 @@ def _hook_second_read(monkeypatch, action):
             action()
         return real(self, jobs)
 
-    monkeypatch.setattr(_object_storage._ObjectSource, "read_ranges", hooked)
+    monkeypatch.setattr(_fsspec.FsspecSource, "read_ranges", hooked)
     return calls
 
 
@@ -388,10 +388,10 @@ import json, os, signal, sys
 import numpy as np
 import s3fs.core
 from eqx_train import checkpoints
-from eqx_train.checkpoints.storage import _object_storage
+from eqx_train.checkpoints.storage import _fsspec
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
-_object_storage._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
+_fsspec._PART_BYTES = 5 << 20  # S3's smallest part: the upload has several
 checkpoints.save_checkpoint(url, {"x": np.zeros(10)}, 1, storage_options=options)
 print("OLD-SAVED PID", os.getpid(), flush=True)
 real_upload = s3fs.core.S3File._upload_chunk
@@ -453,10 +453,10 @@ import json, os, sys
 import numpy as np
 import s3fs.core
 from eqx_train import checkpoints
-from eqx_train.checkpoints.storage import _object_storage
+from eqx_train.checkpoints.storage import _fsspec
 
 url, options = sys.argv[1], json.loads(sys.argv[2])
-_object_storage._PART_BYTES = 5 << 20
+_fsspec._PART_BYTES = 5 << 20
 real_upload = s3fs.core.S3File._upload_chunk
 
 def upload_then_wait(self, final=False):

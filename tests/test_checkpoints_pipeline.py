@@ -186,7 +186,7 @@ def test_an_upload_tried_again_rereads_the_snapshot(snapshot, monkeypatch):
     """A store that answers 501 to a conditional write: the upload is made again without
     the condition, and reads every leaf again (after the snapshot's first two passes)."""
     from eqx_train.checkpoints import _api
-    from eqx_train.checkpoints.storage import _object_storage
+    from eqx_train.checkpoints.storage import _fsspec
     from tests.test_object_store_races import FakeS3
 
     fs = FakeS3()
@@ -194,7 +194,7 @@ def test_an_upload_tried_again_rereads_the_snapshot(snapshot, monkeypatch):
     monkeypatch.setattr(
         _api._locations,
         "resolve",
-        lambda path, options=None, *, caller: (_object_storage.ObjectStorage("s3", fs), path),
+        lambda path, options=None, *, caller: (_fsspec.FsspecStorage("s3", fs), path),
     )
     state = _device_state(leaves=3, leaf_mib=1 / 8)
     expected = _host_copy(state)

@@ -213,16 +213,16 @@ def test_a_new_save_removes_the_previous_saves_files_after_its_index(tmp_path):
 def test_a_crash_before_the_index_leaves_the_previous_save(tmp_path, monkeypatch):
     old = {"w": np.zeros(64, np.float32), "v": np.zeros(64, np.float32)}
     save_sharded(tmp_path, old, max_shard_size=256)
-    from eqx_train.checkpoints.storage import _storage
+    from eqx_train.checkpoints.storage import _local
 
-    real = _storage.LocalStorage.atomic_write
+    real = _local.LocalStorage.atomic_write
 
     def crash_on_index(self, path, write, **kwargs):
         if path.endswith(INDEX):
             raise KeyboardInterrupt("killed before the index")
         return real(self, path, write, **kwargs)
 
-    monkeypatch.setattr(_storage.LocalStorage, "atomic_write", crash_on_index)
+    monkeypatch.setattr(_local.LocalStorage, "atomic_write", crash_on_index)
     new = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32), "c": np.ones(4)}
     with pytest.raises(KeyboardInterrupt):
         save_sharded(tmp_path, new, max_shard_size=256)
@@ -251,7 +251,7 @@ def test_replacing_another_tools_shards_never_mixes_two_saves(tmp_path, monkeypa
     """huggingface_hub's index carries no save token: before shards of the same names are
     replaced under it, it is removed, so a crash mid-save cannot leave old and new shards
     that load as one model."""
-    from eqx_train.checkpoints.storage import _storage
+    from eqx_train.checkpoints.storage import _local
 
     old = {"a": np.zeros(64, np.float32), "b": np.zeros(64, np.float32)}
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
@@ -262,7 +262,7 @@ def test_replacing_another_tools_shards_never_mixes_two_saves(tmp_path, monkeypa
         json.dumps({"metadata": {"total_size": 512}, "weight_map": weight_map})
     )
     assert_trees_equal(load_sharded(tmp_path), old)
-    real = _storage.LocalStorage.atomic_write
+    real = _local.LocalStorage.atomic_write
     written = []
 
     def killed_after_one_shard(self, path, write, **kwargs):
@@ -271,7 +271,7 @@ def test_replacing_another_tools_shards_never_mixes_two_saves(tmp_path, monkeypa
         written.append(path)
         return real(self, path, write, **kwargs)
 
-    monkeypatch.setattr(_storage.LocalStorage, "atomic_write", killed_after_one_shard)
+    monkeypatch.setattr(_local.LocalStorage, "atomic_write", killed_after_one_shard)
     new = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}
     with pytest.raises(KeyboardInterrupt):
         save_sharded(tmp_path, new, max_shard_size=256)

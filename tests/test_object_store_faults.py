@@ -14,7 +14,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
-from eqx_train.checkpoints.storage import _locations, _object_storage
+from eqx_train.checkpoints.storage import _fsspec, _locations
 from tests.helpers import assert_trees_equal
 
 
@@ -64,7 +64,7 @@ def test_a_lost_answer_to_a_multipart_completion_is_recognised_as_our_write(
     proxied, monkeypatch, overwrite
 ):
     url, options, proxy = proxied
-    monkeypatch.setattr(_object_storage, "_PART_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(_fsspec, "_PART_BYTES", 5 << 20)  # S3's smallest part
     old, new = {"x": np.zeros(4)}, {"x": np.full(3 << 20, 7.0)}  # 24 MiB: five parts
     checkpoints.save_checkpoint(url, old, 1, storage_options=options)
     step = 1 if overwrite else 2
@@ -80,14 +80,14 @@ def test_an_index_refused_as_existing_that_cites_this_saves_pieces_is_our_commit
     """Where the store cannot prove an upload ours (no token in its metadata), the `.shards`
     commit still recognises its own index by the pieces it cites, and deletes nothing."""
     url = "memory://eqx-test-lost-index/run"
-    real = _object_storage.ObjectStorage.atomic_write
+    real = _fsspec.FsspecStorage.atomic_write
 
     def committed_then_refused(self, path, write, *, replace=True):
         real(self, path, write, replace=replace)
         if path.endswith("index.safetensors"):
             raise FileExistsError(path)  # a retry, refused: the answer to ours was lost
 
-    monkeypatch.setattr(_object_storage.ObjectStorage, "atomic_write", committed_then_refused)
+    monkeypatch.setattr(_fsspec.FsspecStorage, "atomic_write", committed_then_refused)
     tree = {"x": np.arange(5.0)}
     checkpoints.save_checkpoint_multiprocess(url, {"x": np.zeros(5)}, 1)
     checkpoints.save_checkpoint_multiprocess(url, tree, 2, keep=1)
@@ -100,15 +100,15 @@ def test_an_index_refused_as_existing_that_cites_this_saves_pieces_is_our_commit
 def test_an_index_of_a_concurrent_save_is_still_refused(monkeypatch):
     url = "memory://eqx-test-other-index/run"
     theirs = {"x": np.full(3, 9.0)}
-    real = _object_storage.ObjectStorage.atomic_write
+    real = _fsspec.FsspecStorage.atomic_write
 
     def other_save_first(self, path, write, *, replace=True):
         if path.endswith("index.safetensors") and not replace:
-            monkeypatch.setattr(_object_storage.ObjectStorage, "atomic_write", real)
+            monkeypatch.setattr(_fsspec.FsspecStorage, "atomic_write", real)
             checkpoints.save_checkpoint_multiprocess(url, theirs, 1, overwrite=True)
         real(self, path, write, replace=replace)
 
-    monkeypatch.setattr(_object_storage.ObjectStorage, "atomic_write", other_save_first)
+    monkeypatch.setattr(_fsspec.FsspecStorage, "atomic_write", other_save_first)
     with pytest.raises(FileExistsError):
         checkpoints.save_checkpoint_multiprocess(url, {"x": np.zeros(3)}, 1)
     assert_trees_equal(checkpoints.restore_checkpoint(url, theirs), theirs)
@@ -164,7 +164,7 @@ def test_a_store_that_stops_answering_fails_the_save_at_its_deadline_naming_the_
 
 def test_an_upload_frozen_before_its_completion_is_aborted_by_the_next_save(proxied, monkeypatch):
     url, options, proxy = proxied
-    monkeypatch.setattr(_object_storage, "_PART_BYTES", 5 << 20)
+    monkeypatch.setattr(_fsspec, "_PART_BYTES", 5 << 20)
     checkpoints.save_checkpoint(url, {"x": np.zeros(2)}, 1, storage_options=options)
     # Parts go through; the completion, and everything after it, never gets an answer.
     completion = proxy.stall(lambda r: r.method == "POST" and "uploadId=" in r.query)
@@ -237,7 +237,7 @@ def test_s3_requests_get_bounded_timeouts_and_retries_unless_the_caller_sets_the
         "read_timeout": 60,
         "retries": {"max_attempts": 3, "mode": "standard"},
     }
-    assert store.deadline_s == _object_storage.DEFAULT_DEADLINE_S
+    assert store.deadline_s == _fsspec.DEFAULT_DEADLINE_S
     mine = {"anon": True, "config_kwargs": {"read_timeout": 5}, "deadline_s": 30}
     store = _store("s3://bkt/run", mine)
     assert store.fs.config_kwargs["read_timeout"] == 5 and store.deadline_s == 30

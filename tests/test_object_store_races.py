@@ -17,7 +17,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _names
 from eqx_train.checkpoints.pipeline import _directory, _restore
-from eqx_train.checkpoints.storage import _object_storage
+from eqx_train.checkpoints.storage import _fsspec
 
 
 class FakeUpload:
@@ -117,9 +117,9 @@ class FakeS3:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(_object_storage, "_PART_BYTES", 1000)
+    monkeypatch.setattr(_fsspec, "_PART_BYTES", 1000)
     fs = FakeS3()
-    return fs, _object_storage.ObjectStorage("s3", fs)
+    return fs, _fsspec.FsspecStorage("s3", fs)
 
 
 def _marker(name, host, pid):
@@ -298,13 +298,13 @@ def test_a_checkpoint_whose_index_cannot_be_removed_keeps_its_pieces(monkeypatch
     url = "memory://eqx-test-stuck-index/run"
     old = {"x": np.arange(4.0)}
     checkpoints.save_checkpoint_multiprocess(url, old, 1)
-    real_remove = _object_storage.ObjectStorage.remove
+    real_remove = _fsspec.FsspecStorage.remove
 
     def index_stuck(self, path):
         if not path.endswith(_names.INDEX_NAME):
             real_remove(self, path)
 
-    monkeypatch.setattr(_object_storage.ObjectStorage, "remove", index_stuck)
+    monkeypatch.setattr(_fsspec.FsspecStorage, "remove", index_stuck)
     checkpoints.save_checkpoint_multiprocess(url, {"x": np.ones(4)}, 2, keep=1)
     monkeypatch.undo()
     assert checkpoints.available_steps(url) == [1, 2]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints.storage import _locations, _object_storage
+from eqx_train.checkpoints.storage import _fsspec, _locations
 from tests.helpers import assert_trees_equal
 
 INDEX = "index.safetensors"
@@ -91,7 +91,7 @@ def test_a_lost_answer_whose_owner_cannot_be_read_is_not_called_a_concurrent_sav
     url, options, proxy = impatient
     tree = {"x": np.arange(6.0)}
     asking = []
-    real = _object_storage.ObjectStorage._is_ours
+    real = _fsspec.FsspecStorage._is_ours
 
     def is_ours(self, *args):
         asking.append(True)
@@ -100,7 +100,7 @@ def test_a_lost_answer_whose_owner_cannot_be_read_is_not_called_a_concurrent_sav
         finally:
             asking.clear()
 
-    monkeypatch.setattr(_object_storage.ObjectStorage, "_is_ours", is_ours)
+    monkeypatch.setattr(_fsspec.FsspecStorage, "_is_ours", is_ours)
     rule = proxy.drop_response(
         _after_first("PUT", "checkpoint_1.safetensors", lambda r: bool(asking)), times=10**6
     )
@@ -119,7 +119,7 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
     import jax
 
     from eqx_train.checkpoints.pipeline import _coordination, _multiprocess
-    from eqx_train.checkpoints.storage import _storage
+    from eqx_train.checkpoints.storage import Storage
 
     url = "memory://eqx-test-unsure-peer/run/checkpoint_1.shards"
     store = _locations.resolve(url, None, caller="test")[0]
@@ -138,7 +138,7 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
                 store, url, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5, caller="test",
                 overwrite=False, after_commit=lambda: None,
             )  # fmt: skip
-        assert isinstance(store, _storage.Storage) and store.exists(piece) == kept
+        assert isinstance(store, Storage) and store.exists(piece) == kept
 
 
 # ------------------------------------------------------ other lost answers (held already)
@@ -171,7 +171,7 @@ def test_a_lost_answer_to_an_overwrite_of_a_single_file_keeps_the_new_checkpoint
 
 def test_a_lost_answer_to_the_upload_marker_write_does_not_fail_the_save(proxied, monkeypatch):
     url, options, proxy = proxied
-    monkeypatch.setattr(_object_storage, "_PART_BYTES", 5 << 20)
+    monkeypatch.setattr(_fsspec, "_PART_BYTES", 5 << 20)
     tree = {"x": np.full(3 << 20, 2.0)}  # 24 MiB: a multipart upload, with its marker
     lost = proxy.drop_response(lambda r: r.method == "PUT" and ".tmp-" in r.path)
     checkpoints.save_checkpoint(url, tree, 1, storage_options=options)

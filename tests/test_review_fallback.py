@@ -13,7 +13,7 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _fallback
-from eqx_train.checkpoints.storage import _storage
+from eqx_train.checkpoints.storage import _local
 from tests.helpers import flip_last_byte
 
 
@@ -40,7 +40,7 @@ def failing_reads(monkeypatch):
             raise OSError(code, os.strerror(code))
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(_storage.os, "preadv", preadv)
+    monkeypatch.setattr(_local.os, "preadv", preadv)
     return lambda path, code: failing.__setitem__(os.path.realpath(path), code)
 
 

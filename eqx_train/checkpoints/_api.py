@@ -30,8 +30,7 @@ from .pipeline import (
 from .pipeline._async import AsyncManager
 from .pipeline._snapshot import SnapshotMode
 from .pipeline._window import DEFAULT_HOST_WINDOW_BYTES
-from .storage import _locations
-from .storage._storage import Storage
+from .storage import Storage, _locations
 
 T = TypeVar("T")
 
@@ -173,7 +172,7 @@ def save_pipeline(
     def prepare() -> tuple[Storage, str, Decimal, str, str, Any, list, dict]:
         _snapshot.check_options(snapshot, host_window_bytes, caller)
         store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
-        if multiprocess and not store.is_local and timeout_s > _directory.STALE_S / 2:
+        if multiprocess and store.stale_by_age and timeout_s > _directory.STALE_S / 2:
             # On an object store nobody can tell a live writer's uncommitted pieces from a
             # dead one's but by age: other saves remove them after `STALE_S`.
             raise ValueError(
@@ -205,7 +204,7 @@ def save_pipeline(
             # that save's; otherwise (and for a step that is not newer, or a save to an
             # object store, whose request budget has started) wait for it.
             if not (
-                store.is_local
+                not store.save_deadline
                 and async_manager.may_queue((where, prefix), value)
                 and _snapshot.another_fits(tensors, snapshot)
             ):

@@ -71,7 +71,7 @@ from .pipeline._directory import (
 from .pipeline._matching import Casting as Casting, Rename as Rename
 from .pipeline._restore import Reader as Reader, restore_from as restore_from
 from .pipeline._transform import Transform as Transform
-from .storage._storage import (
+from .storage._local import (
     LocalSource as LocalSource,
     LocalStorage as LocalStorage,
     fsync_dir as fsync_dir,

@@ -44,7 +44,8 @@ import numpy as np
 from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
 from ..pipeline import _transfer
 from ..pipeline._window import HostWindow, add_stage, current_window, stage, timing
-from ..storage._storage import LocalStorage, Source, start_writeback
+from ..storage import Source
+from ..storage._local import LocalStorage, start_writeback
 from . import _header_codes
 from ._checksums import checksum, chunks, hasher, text_digest, verify_bytes
 from ._description import DTYPE_TO_CODE, Arrays, Tensor, parse_description, parse_json
@@ -366,7 +367,7 @@ class FileReader(ReaderBase):
             raise self.bad(f"the file has {size} bytes, fewer than the 8-byte header length")
         # From an object store, one request for the length field and (usually all of) the
         # header: each request costs a round trip. Locally, exactly the bytes needed.
-        first = bytearray(8 if self.source.is_local else min(size, _FIRST_READ))
+        first = bytearray(8 if self.source.cheap_reads else min(size, _FIRST_READ))
         self.source.read_into(memoryview(first), 0)
         header_len = int.from_bytes(first[:8], "little")
         if header_len > min(MAX_HEADER_BYTES, size - 8):
@@ -520,7 +521,7 @@ class FileReader(ReaderBase):
         hashed while still in cache; from an object store in parallel ranged requests."""
         view = _as_bytes(out) if info.nbytes else memoryview(b"")
         check = verify and info.checksum
-        if not self.source.is_local or not check:
+        if not self.source.cheap_reads or not check:
             with stage("read"):
                 self.source.read_ranges([(view, info.start)])
             if check:
@@ -545,7 +546,7 @@ class FileReader(ReaderBase):
         self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
     ) -> dict[str, np.ndarray]:
         """Whole tensors, read (and verified) by several threads when they are large."""
-        if not self.source.is_local:
+        if not self.source.cheap_reads:
             # An object store: every range at once, so requests overlap.
             infos = [self.tensors[n] for n in names]
             outs = [aligned_empty(i.shape, i.dtype) for i in infos]

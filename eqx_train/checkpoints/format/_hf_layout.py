@@ -11,6 +11,9 @@ Layout of a directory (names in `_names`):
 The index of a save of ours also holds the tree description (with its checksum) and a save
 token that every shard of the save repeats: a shard of another save (a save killed while
 replacing same-named shards) is refused instead of mixing two models.
+
+The directory is read through a `Storage`: on the local disk, or on any store a URL names
+(`s3://bucket/model/`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointFormatError, invalid, short
-from ..storage._storage import LocalSource
+from ..storage import LocalStorage, Storage
 from ._checksums import text_digest
 from ._description import parse_json
 from ._format import FileReader, ReaderBase
@@ -48,11 +51,20 @@ class IndexReader(ReaderBase):
     The whole index is validated and every shard's header read and checked against it
     before anything is trusted; tensor data is then read only from the shards that hold
     the tensors asked for.
+
+    **Arguments:**
+
+    - `directory`: the directory that holds the index and its shards.
+    - `index_name`: the index's file name in it.
+    - `store`: where the directory is (the local disk by default).
     """
 
-    def __init__(self, directory: str, index_name: str = HF_INDEX_NAME):
+    def __init__(
+        self, directory: str, index_name: str = HF_INDEX_NAME, store: Storage | None = None
+    ):
         self.path = directory
-        self.index_path = os.path.join(directory, index_name)
+        self.store: Storage = LocalStorage() if store is None else store
+        self.index_path = self.store.join(directory, index_name)
         self._files: dict[str, FileReader] = {}
         try:
             self._load()
@@ -64,8 +76,8 @@ class IndexReader(ReaderBase):
         return invalid(self.index_path, "index")(why)
 
     def _load(self) -> None:
-        # The checkpoint reader's own source: no blocking open, regular files only.
-        source = LocalSource(self.index_path, self.bad)
+        # The checkpoint reader's own source (locally: no blocking open, regular files only).
+        source = self.store.open(self.index_path)
         try:
             if source.size > _MAX_INDEX_BYTES:
                 raise self.bad(
@@ -104,9 +116,9 @@ class IndexReader(ReaderBase):
         shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self._where: dict[str, str] = {}
         for file, names in by_file.items():
-            path = os.path.join(self.path, file)
+            path = self.store.join(self.path, file)
             try:
-                reader = FileReader(path)
+                reader = FileReader(path, self.store.open(path))
             except FileNotFoundError:
                 raise self.bad(f"it maps tensors to {file}, which is missing") from None
             self._files[file] = reader
@@ -135,10 +147,11 @@ class IndexReader(ReaderBase):
 
     def files(self) -> dict[str, FileReader]:
         """The open shard readers, by path, in the index's order."""
-        return {os.path.join(self.path, name): reader for name, reader in self._files.items()}
+        return {self.store.join(self.path, name): reader for name, reader in self._files.items()}
 
     def check_unchanged(self) -> None:
-        """Local files, each read through one descriptor: they cannot change."""
+        """Raises `ObjectReplacedError` if a shard read was replaced since it was opened
+        (a local file, read through one descriptor, cannot be)."""
         for reader in self._files.values():
             reader.check_unchanged()
 

@@ -7,7 +7,9 @@ and the call that reads them.
 
 Foreign layouts are sniffed only where our own reading found nothing (an empty listing) or
 failed (a header that is not safetensors): recognising our own checkpoints costs nothing
-more than before.
+more than before. Every question goes through the location's `Storage`, so each layout
+reads from any store; where a question costs a round trip (`cheap_reads` is False) fewer
+are asked, and Orbax directories are recognised only where they are cheap.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from .._errors import CheckpointFormatError, short
-from ..storage._storage import Storage
+from ..storage import LocalStorage, Storage
+from ..storage._locations import is_url
 from . import _names
 from ._format import FileReader
 from ._hf_layout import IndexReader
@@ -70,16 +73,20 @@ class ForeignCheckpointError(CheckpointFormatError):
         )
 
 
-def hf_file(directory: str) -> str | None:
-    """The file of a local Hugging Face directory: `model.safetensors` when present (as
-    `transformers` prefers it), else its index; None when it holds neither."""
-    single = os.path.join(directory, _names.HF_SINGLE_NAME)
+_LOCAL = LocalStorage()
+
+
+def hf_file(directory: str, store: Storage = _LOCAL) -> str | None:
+    """The file of a Hugging Face directory (on the local disk unless `store` says
+    otherwise): `model.safetensors` when present (as `transformers` prefers it), else its
+    index; None when it holds neither."""
+    single = store.join(directory, _names.HF_SINGLE_NAME)
     # A dangling link (a Hugging Face cache's blob not downloaded) is weights that cannot be
     # read, not an empty directory: it is named when opened.
-    if os.path.isfile(single) or os.path.islink(single):
+    if store.is_file(single) or (store.exists(single) and not store.is_dir(single)):
         return single
-    index = os.path.join(directory, _names.HF_INDEX_NAME)
-    return index if os.path.lexists(index) else None
+    index = store.join(directory, _names.HF_INDEX_NAME)
+    return index if store.exists(index) else None
 
 
 def locate(store: Storage, path: str) -> Location | None:
@@ -89,7 +96,9 @@ def locate(store: Storage, path: str) -> Location | None:
     if store.is_dir(path):
         if store.is_file(store.join(path, _names.INDEX_NAME)):
             return Location(path, "shards")
-        found = hf_file(path) if store.is_local else None
+        # Where a question costs a round trip, a directory of checkpoints is listed first,
+        # and a Hugging Face file looked for only if it holds none (`foreign_directory`).
+        found = hf_file(path, store) if store.cheap_reads else None
         return Location(found, "hf") if found else Location(path, "directory")
     if not store.exists(path):
         return None
@@ -102,16 +111,8 @@ def open_reader(store: Storage, entry: Any) -> Any:
     if entry.layout == "shards":
         return ShardedReader(store, entry.path)
     if entry.layout == "hf" and entry.path.endswith(".json"):
-        if not store.is_local:
-            raise ForeignCheckpointError(
-                entry.path,
-                "hf-index",
-                "a Hugging Face index of sharded weights on an object store",
-                "its shards are read from a local directory only: download it (e.g. "
-                "huggingface_hub.snapshot_download) and pass the local directory",
-            )
-        directory, name = os.path.split(entry.path)
-        return IndexReader(directory or ".", name)
+        directory, name = _split(entry.path)
+        return IndexReader(directory, name, store)
     if entry.layout in ("file", "hf"):
         try:
             return FileReader(entry.path, store.open(entry.path))
@@ -122,6 +123,15 @@ def open_reader(store: Storage, entry: Any) -> Any:
                 raise foreign from None
             raise
     raise ValueError(f"{entry.path} is not a checkpoint (it holds a {entry.layout} layout)")
+
+
+def _split(path: str) -> tuple[str, str]:
+    """(the directory, the file name) of a path or URL."""
+    if not is_url(path):
+        directory, name = os.path.split(path)
+        return directory or ".", name
+    directory, _, name = path.rpartition("/")
+    return directory + "/" if directory.endswith(":/") else directory, name
 
 
 def sniff_file(store: Storage, path: str) -> ForeignCheckpointError | None:
@@ -157,26 +167,28 @@ def sniff_file(store: Storage, path: str) -> ForeignCheckpointError | None:
     return None
 
 
-def is_orbax(path: str) -> bool:
-    """Whether a local directory is one Orbax PyTree checkpoint (the markers flax uses)."""
-    return any(os.path.lexists(os.path.join(path, m)) for m in _ORBAX_MARKERS)
+def is_orbax(path: str, store: Storage = _LOCAL) -> bool:
+    """Whether a directory (on the local disk unless `store` says otherwise) is one Orbax
+    PyTree checkpoint (the markers flax uses)."""
+    return any(store.exists(store.join(path, m)) for m in _ORBAX_MARKERS)
 
 
-def _subdirectories(path: str) -> list[str]:
+def _subdirectories(store: Storage, path: str) -> list[str]:
     try:
-        names = sorted(os.listdir(path))
+        items = sorted(store.list(path), key=lambda item: item.name)
     except OSError:
         return []
-    return [os.path.join(path, n) for n in names if os.path.isdir(os.path.join(path, n))]
+    return [item.path for item in items if store.is_dir(item.path)]
 
 
-def _orbax_within(path: str) -> bool:
+def _orbax_within(store: Storage, path: str) -> bool:
     """An Orbax checkpoint, a `CheckpointManager` step of items, or a run of steps."""
-    if is_orbax(path):
+    if is_orbax(path, store):
         return True
     return any(
-        is_orbax(child) or any(is_orbax(item) for item in _subdirectories(child))
-        for child in _subdirectories(path)
+        is_orbax(child, store)
+        or any(is_orbax(item, store) for item in _subdirectories(store, child))
+        for child in _subdirectories(store, path)
     )
 
 
@@ -189,15 +201,16 @@ def foreign_directory(store: Storage, path: str, prefix: str) -> Location | None
     it (on an object store), or `ForeignCheckpointError` naming the weights it holds and the
     call that reads them; None when it holds no weights (a new run's directory). Files are
     judged alike on a local disk and an object store (one listing, and the first bytes of
-    each file that may be flax msgpack); Orbax directories are recognised on a local disk."""
-    if not store.is_local:
+    each file that may be flax msgpack); Orbax directories are recognised where questions
+    are cheap (`cheap_reads`: the local disk)."""
+    if not store.cheap_reads:
         single = store.join(path, _names.HF_SINGLE_NAME)
         if store.exists(single):
             return Location(single, "hf")
         index = store.join(path, _names.HF_INDEX_NAME)
         if store.exists(index):
             return Location(index, "hf")
-    elif _orbax_within(path):
+    elif _orbax_within(store, path):
         raise ForeignCheckpointError(path, "orbax", "a directory of Orbax checkpoints")
     files = sorted(
         item.name

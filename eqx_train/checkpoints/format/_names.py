@@ -27,17 +27,24 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
-import zlib
 from decimal import Decimal
 from typing import Any, TypeAlias
 
 import numpy as np
 
+# The names of what a storage writes before it is visible (temporaries, upload markers).
+from ..storage._temp import (
+    TEMP_MARK as TEMP_MARK,
+    WRITER as _WRITER,
+    host_id as host_id,
+    parse_temp as parse_temp,
+    temp_name as temp_name,
+    writer_id as writer_id,
+)
+
 SUFFIX = ".safetensors"
 SHARDED_SUFFIX = ".shards"
 INDEX_NAME = "index.safetensors"
-TEMP_MARK = ".tmp-"
 QUARANTINE_MARK = "corrupt-"  # a checkpoint skipped as unreadable: `quarantine_name`
 MAX_NAME_BYTES = 200  # file systems allow 255; leave room for the temporary-name decoration
 
@@ -96,10 +103,6 @@ def hf_shard_names(count: int) -> list[str]:
 # floats ("1e-05"); earlier versions also wrote str(float) spellings such as "1.0" and "1e+16".
 # `[0-9]`, never `\d` (which matches every script's digits, and `int()` reads them).
 _STEP = r"[0-9]+(?:\.[0-9]+)?(?:e[-+][0-9]+)?"
-_WRITER = r"(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)"
-_TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}{_WRITER}-[0-9a-f]{{16}}")
-# Earlier versions named temporaries without the host: `.{final}.tmp-{pid}-{32 hex}`.
-_OLD_TEMP = re.compile(rf"\.(?P<final>.+){re.escape(TEMP_MARK)}(?P<pid>[0-9]+)-[0-9a-f]{{32}}")
 # Files written before tokens existed are `process_00000.safetensors`; they still restore.
 _PIECE = re.compile(
     rf"process_(?P<process>[0-9]{{5}})(?:\.(?P<token>{_WRITER}-[0-9a-f]{{16}}))?\.safetensors"
@@ -109,15 +112,6 @@ _DONE = re.compile(rf"\.done-(?P<process>[0-9]{{5}})\.(?P<token>{_WRITER}-[0-9a-
 
 Step: TypeAlias = int | float | np.integer | np.floating
 """A checkpoint step: any real number >= 0 (Python or NumPy)."""
-
-
-def host_id() -> str:
-    """This machine, as 8 hex digits (names carry it so cleanup knows whose pid it is)."""
-    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
-
-
-def writer_id() -> str:
-    return f"{host_id()}-{os.getpid()}"
 
 
 def check_prefix(prefix: Any, caller: str) -> str:
@@ -223,20 +217,6 @@ def quarantine_name(name: str, attempt: int) -> str:
     never deleted. `attempt` > 0 numbers a later quarantine of the same name."""
     mark = QUARANTINE_MARK if attempt == 0 else f"{QUARANTINE_MARK}{attempt + 1}-"
     return f"{mark}{name}"
-
-
-def temp_name(final_name: str) -> str:
-    """A hidden name next to `final_name` that never matches a checkpoint name."""
-    return f".{final_name}{TEMP_MARK}{writer_id()}-{os.urandom(8).hex()}"
-
-
-def parse_temp(name: str) -> tuple[str, str, int] | None:
-    """`(final name, host, pid)` of a `temp_name`, or None for any other name."""
-    match = _TEMP.fullmatch(name)
-    if match is not None:
-        return match["final"], match["host"], int(match["pid"])
-    match = _OLD_TEMP.fullmatch(name)
-    return None if match is None else (match["final"], host_id(), int(match["pid"]))
 
 
 def new_token() -> str:

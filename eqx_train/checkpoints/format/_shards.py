@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import short
-from ..storage._storage import Storage
+from ..storage import Storage
 from ._description import CODE_TO_DTYPE, parse_json
 from ._format import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
 from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, PROCESS_KEY, SAVE_KEY, parse_piece_file
@@ -178,7 +178,7 @@ class ShardedReader(ReaderBase):
             # meanwhile cannot pull them away, and each header is checked against the index.
             # On an object store each open is a request: pieces are opened (and checked)
             # when first read, so a host fetches only the pieces its devices need.
-            for name, entry in self._arrays.items() if store.is_local else ():
+            for name, entry in self._arrays.items() if store.cheap_reads else ():
                 for piece in entry["pieces"]:
                     self._piece(name, piece)
         except BaseException:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,7 +17,7 @@ from .. import _errors
 from ..format import _names
 from ..pipeline import _coordination, _directory
 from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
-from ..storage import _storage
+from ..storage import Storage
 
 T = TypeVar("T")
 
@@ -42,7 +41,7 @@ class UnreadableCheckpointWarning(UserWarning):
 
 
 def restore_latest_that_verifies(
-    store: _storage.Storage,
+    store: Storage,
     directory: str,
     list_checkpoints: Callable[[], list[_directory.Entry]],
     target: T,
@@ -82,7 +81,11 @@ def restore_latest_that_verifies(
         except FileNotFoundError:
             outcome = "gone"
         except Exception as error:
-            if isinstance(error, OSError) and error.errno in UNREADABLE_ERRNOS and store.is_local:
+            if (
+                isinstance(error, OSError)
+                and error.errno in UNREADABLE_ERRNOS
+                and store.os_errors_mean_bad_media
+            ):
                 # A disk read error is what a fallback is for, as corruption is. (On an
                 # object store an OSError says nothing about the checkpoint: a network
                 # error must never make it skipped and moved away.)
@@ -146,29 +149,23 @@ def restore_latest_that_verifies(
             listing = _directory.preferred(list_checkpoints())
 
 
-def _version(store: _storage.Storage, entry: _directory.Entry) -> Any:
+def _version(store: Storage, entry: _directory.Entry) -> Any:
     """What tells one version of the checkpoint `entry` from another saved under its name
     (the file's, or a `.shards` index's, identity), or None if it is gone."""
     path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
     try:
-        if store.is_local:
-            # An inode number alone may be reused once a file is deleted.
-            info = os.stat(path)
-            return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
-        return store.identity(path)
+        return store.version(path)
     except OSError:
         return None
 
 
-def _check_moved(
-    store: _storage.Storage, entry: _directory.Entry, new_path: str, version: Any
-) -> str:
+def _check_moved(store: Storage, entry: _directory.Entry, new_path: str, version: Any) -> str:
     """What to say of `entry`, just moved to `new_path`. Locally a rename keeps a file's
     identity, so a save of the same step that replaced the unreadable one between the
     check and the move shows here: it is put back under its name (unless yet another save
     took the name meanwhile)."""
     moved = dataclasses.replace(entry, path=new_path)
-    if not store.is_local or _version(store, moved) == version:
+    if not store.atomic_rename or _version(store, moved) == version:
         return (
             f"It was moved to {new_path}, which no listing counts, so that saving its step "
             "again works; delete it once inspected."
@@ -188,7 +185,7 @@ def _check_moved(
 
 
 def _quarantine(
-    store: _storage.Storage,
+    store: Storage,
     directory: str,
     entries: list[tuple[_directory.Entry, Any]],
     timeout_s: int | float,

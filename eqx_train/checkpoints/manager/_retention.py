@@ -19,7 +19,7 @@ from ..format import _format, _names
 from ..format._names import METRICS_KEY as _METRICS_KEY
 from ..pipeline import _directory
 from ..pipeline._restore import RESTORE_ATTEMPTS
-from ..storage import _storage
+from ..storage import Storage
 from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
 
 
@@ -48,7 +48,7 @@ def check_policy(
     _directory.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
 
 
-def metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, str]:
+def metadata_of(store: Storage, entry: _directory.Entry) -> dict[str, str]:
     """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
     opened directly (it is known to be a file or a `.shards` directory)."""
     path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
@@ -57,7 +57,7 @@ def metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, s
 
 
 def metric_of(
-    store: _storage.Storage, entry: _directory.Entry, best_metric: str | None
+    store: Storage, entry: _directory.Entry, best_metric: str | None
 ) -> tuple[float | None, str | None]:
     """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
     Raises `FileNotFoundError` if the checkpoint is gone."""
@@ -68,7 +68,7 @@ def metric_of(
         raise  # a newer eqx_train's checkpoint is not one without a metric: never deleted
     except (OSError, ValueError) as error:
         if isinstance(error, OSError) and (
-            not store.is_local or error.errno not in UNREADABLE_ERRNOS
+            not store.os_errors_mean_bad_media or error.errno not in UNREADABLE_ERRNOS
         ):
             # An unreachable store, or an error of the process (too many open files, a
             # permission), says nothing about the checkpoint: never let it make retention
@@ -88,7 +88,7 @@ def metric_of(
 class Ranking:
     """Ranks the checkpoints of one store by a metric, remembering what it read."""
 
-    def __init__(self, store: _storage.Storage):
+    def __init__(self, store: Storage):
         self.store = store
         # (path, listed version) -> what `metric_of` read: on an object store, retention
         # and "best" then read only the metrics of checkpoints not seen before.

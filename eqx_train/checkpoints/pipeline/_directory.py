@@ -12,7 +12,7 @@ from decimal import Decimal
 from typing import Any
 
 from ..format import _names, _shards
-from ..storage._storage import Storage
+from ..storage import Storage
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def list_checkpoints(store: Storage, ckpt_dir: str, prefix: str) -> list[Entry]:
 
 def _scan(store: Storage, ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool]:
     pattern = _names.checkpoint_pattern(prefix)
-    if not store.is_local:
+    if not store.cheap_reads:
         # One listing of every key under the prefix, however many checkpoints: a `.shards`
         # checkpoint is committed when its index is among them.
         return [
@@ -75,7 +75,7 @@ def _scan(store: Storage, ckpt_dir: str, prefix: str) -> tuple[list[Entry], bool
         if sharded:
             committed = item.is_dir and store.is_file(store.join(item.path, _names.INDEX_NAME))
         else:
-            committed = item.is_file and (not store.is_local or store.is_file(item.path))
+            committed = item.is_file and store.is_file(item.path)
         if not committed:
             vanished = vanished or not store.exists(item.path)
             continue
@@ -263,7 +263,7 @@ def quarantine(store: Storage, ckpt_dir: str, entry: Entry) -> str:
         new_path = store.join(ckpt_dir, _names.quarantine_name(name, attempt))
         if store.exists(new_path):
             continue
-        if entry.sharded and not store.is_local:
+        if entry.sharded and not store.atomic_rename:
             break  # moved object by object, below
         try:
             store.move(entry.path, new_path)
@@ -389,7 +389,7 @@ def _gone(store: Storage, host: str, pid: int, age_s: float | None) -> bool:
 
 
 def _is_stale(store: Storage, age_s: float | None) -> bool:
-    return not store.is_local and age_s is not None and age_s > STALE_S
+    return store.stale_by_age and age_s is not None and age_s > STALE_S
 
 
 def _writer_is_dead(store: Storage, item_age_s: float | None, token: str) -> bool:

@@ -30,7 +30,7 @@ else:  # imported on first use: the command line reads headers without JAX
 from .. import _errors
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
-from ..storage._storage import Storage
+from ..storage import Storage
 from . import _coordination, _directory
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
 

@@ -35,7 +35,7 @@ from ..format._description import LeafKind, rebuild
 from ..format._format import FileReader
 from ..format._layouts import Location, foreign_directory, locate, open_reader
 from ..format._shards import ShardedReader
-from ..storage._storage import Storage
+from ..storage import Storage
 from . import _directory, _matching, _read_once, _selection, _transform
 from ._transfer import windowed_reads
 from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage

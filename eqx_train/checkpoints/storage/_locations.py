@@ -1,12 +1,14 @@
-"""Which storage a checkpoint location names: a local path (or `file://` URL) is the
-local disk (`_storage.LocalStorage`), any other URL an object store
-(`_object_storage.ObjectStorage`) built through fsspec with `storage_options`. URLs that a
-store would silently rewrite are refused here, before anything is written.
+"""Which storage a checkpoint location names, and the library's own entries in the scheme
+table (`_registry`): a local path (or `file://` URL) is the local disk (`LocalStorage`);
+`s3://`, `gs://`, `memory://` and any other scheme fsspec knows are fsspec stores
+(`FsspecStorage`) built with `storage_options`; a scheme registered with `register_storage`
+is the storage its factory builds. URLs that a store would silently rewrite are refused
+here, before anything is written.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
 import numbers
 import os
@@ -16,22 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from ._object_storage import DEFAULT_DEADLINE_S, ObjectStorage
-from ._storage import LocalStorage, Storage
+from .._errors import call, calling
+from . import _registry, _s3
+from ._base import Storage
+from ._fsspec import DEFAULT_DEADLINE_S, FsspecStorage
+from ._local import LocalStorage
 
 # The fsspec protocols eqx_train knows, and the extra that installs each one's client.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-# botocore settings (s3fs's `config_kwargs`) unless the caller sets them: a store that stops
-# answering fails a request in seconds rather than after botocore's and s3fs's nested
-# retries (25 attempts of 15 s each by default).
-_CLIENT_DEFAULTS: dict[str, Any] = {
-    "connect_timeout": 10,
-    "read_timeout": 60,
-    "retries": {"max_attempts": 3, "mode": "standard"},
-}
 
 _LOCAL = LocalStorage()
-_URL_SCHEMES = {*_EXTRAS, "memory", "file", "local"}
 _COLLAPSED_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 
 
@@ -44,46 +40,69 @@ def resolve(
     path: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
-    caller: str,
+    caller: str | None = None,
 ) -> tuple[Storage, str]:
     """The storage for a checkpoint location, and the location as that storage names it
-    (a local path, or a URL). `storage_options` go to the fsspec filesystem (credentials,
-    endpoint), except `deadline_s` (how long one save may spend on requests); the standard
-    environment variables (`AWS_ENDPOINT_URL`, ...) apply too. A URL whose key the store
-    would rewrite (`a//b`, `a\\b`, `./`, `../`, a name ending in `.`) is refused."""
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise TypeError(f"{caller}: expected a path or URL string, got {text!r}.")
-    if not is_url(text):
-        collapsed = _COLLAPSED_URL.match(text)
-        if collapsed and not isinstance(path, str) and collapsed[1].lower() in _URL_SCHEMES:
-            raise ValueError(
-                f"{caller}: {text!r} looks like a URL that pathlib collapsed ('//' became "
-                "'/'); pass URLs as strings."
-            )
-        return _LOCAL, text
-    scheme, _, rest = text.partition("://")
-    protocol = scheme.lower()
-    if protocol in ("file", "local"):
-        if not rest.startswith("/"):
-            raise ValueError(f"{caller}: {text!r} is not an absolute file:// URL.")
-        return _LOCAL, rest
+    (a local path, or a URL), routed by the URL's scheme through the scheme table.
+    `storage_options` go to the storage's factory (for fsspec: the filesystem's
+    credentials, endpoint..., except `deadline_s`, how long one save may spend on
+    requests); the standard environment variables (`AWS_ENDPOINT_URL`, ...) apply too. A
+    URL whose key the store would rewrite (`a//b`, `a\\b`, `./`, `../`, a name ending in
+    `.`) is refused.
+
+    `caller` names the public call in errors where no public call named itself yet (it is
+    accepted until every call site sets the name at the API boundary)."""
+    with calling(caller) if caller else contextlib.nullcontext():
+        text = os.fspath(path)
+        if not isinstance(text, str):
+            raise TypeError(f"{call()}: expected a path or URL string, got {text!r}.")
+        if not is_url(text):
+            collapsed = _COLLAPSED_URL.match(text)
+            if collapsed and not isinstance(path, str) and _registry.is_registered(collapsed[1]):
+                raise ValueError(
+                    f"{call()}: {text!r} looks like a URL that pathlib collapsed ('//' "
+                    "became '/'); pass URLs as strings."
+                )
+            return _LOCAL, text
+        scheme, _, rest = text.partition("://")
+        protocol = scheme.lower()
+        opener = _registry.opener_for(text, protocol, _open_fsspec)
+        return opener(text, protocol, rest, dict(storage_options or {}))
+
+
+def _open_file(url: str, scheme: str, rest: str, options: dict[str, Any]) -> tuple[Storage, str]:
+    if not rest.startswith("/"):
+        raise ValueError(f"{call()}: {url!r} is not an absolute file:// URL.")
+    return _LOCAL, rest
+
+
+def plain_location(url: str, rest: str) -> str:
+    """`rest` (what follows "://" in `url`) without trailing `/`, once it is known to be a
+    plain location that no store would rewrite."""
     if "?" in rest or "#" in rest:
         raise ValueError(
-            f"{caller}: {text!r} has a query or fragment ('?' or '#'); checkpoint URLs are "
+            f"{call()}: {url!r} has a query or fragment ('?' or '#'); checkpoint URLs are "
             "plain locations such as s3://bucket/run (options go in storage_options=)."
         )
     rest = rest.rstrip("/")
-    if protocol in _EXTRAS and not rest.lstrip("/"):
-        raise ValueError(f"{caller}: {text!r} names no bucket; expected {protocol}://bucket/run.")
     if rest:  # not the root of a memory store
-        _check_key(text, rest[1:] if protocol == "memory" and rest[0] == "/" else rest, caller)
-    options = dict(storage_options or {})
-    deadline_s = _deadline(options.pop("deadline_s", DEFAULT_DEADLINE_S), caller)
+        _check_key(url, rest[1:] if url.lower().startswith("memory:") and rest[0] == "/" else rest)
+    return rest
+
+
+def _open_fsspec(
+    url: str, protocol: str, rest: str, options: dict[str, Any]
+) -> tuple[Storage, str]:
+    """An fsspec filesystem for `protocol`, built with `options` (s3fs's with bounded
+    client settings)."""
+    rest = plain_location(url, rest)
+    if protocol in _EXTRAS and not rest.lstrip("/"):
+        raise ValueError(f"{call()}: {url!r} names no bucket; expected {protocol}://bucket/run.")
+    deadline_s = _deadline(options.pop("deadline_s", DEFAULT_DEADLINE_S))
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a dependency
-        raise ImportError(f"{caller}: {text} needs fsspec: pip install fsspec") from None
+        raise ImportError(f"{call()}: {url} needs fsspec: pip install fsspec") from None
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as error:
@@ -92,20 +111,16 @@ def resolve(
             f"pip install 'eqx_train[{extra}]'" if extra else f"an fsspec backend for {protocol}://"
         )
         raise ImportError(
-            f"{caller}: cannot open {text}: the {protocol}:// backend is not installed "
+            f"{call()}: cannot open {url}: the {protocol}:// backend is not installed "
             f"({error}); install it with {hint}."
         ) from None
     if _accepts_listings_cache(cls):
         options.setdefault("use_listings_cache", False)
-    if any(c.__module__.partition(".")[0] == "s3fs" for c in cls.__mro__):
-        # A deep copy: botocore rewrites the `retries` dict it is given in place.
-        defaults = copy.deepcopy(_CLIENT_DEFAULTS)
-        options["config_kwargs"] = {**defaults, **(options.get("config_kwargs") or {})}
-    fs = cls(**options)
-    return ObjectStorage(protocol, fs, deadline_s=deadline_s), f"{protocol}://{rest}"
+    fs = cls(**_s3.client_options(cls, options))
+    return FsspecStorage(protocol, fs, deadline_s=deadline_s), f"{protocol}://{rest}"
 
 
-def _check_key(url: str, rest: str, caller: str) -> None:
+def _check_key(url: str, rest: str) -> None:
     """Refuses a location that an object store would not keep as written. Stores rewrite
     some keys (SeaweedFS turns `a//b` and `a\\b` into `a/b`; S3 clients and servers treat
     `.` and `..` segments differently; some stores drop a trailing `.`): a save would then
@@ -121,13 +136,13 @@ def _check_key(url: str, rest: str, caller: str) -> None:
     found = [what for what, present in problems if present]
     if found:
         raise ValueError(
-            f"{caller}: {url!r} has {found[0]}; object stores rewrite such keys, so the "
+            f"{call()}: {url!r} has {found[0]}; object stores rewrite such keys, so the "
             "checkpoints would land under another name and a resume would not find them. "
             "Use plain segments separated by single '/'."
         )
 
 
-def _deadline(value: Any, caller: str) -> float:
+def _deadline(value: Any) -> float:
     # Any real number (NumPy's too, as read from a config), but not a bool: `True` is 1 s.
     if (
         isinstance(value, bool | np.bool_)
@@ -136,7 +151,7 @@ def _deadline(value: Any, caller: str) -> float:
         or value <= 0
     ):
         raise ValueError(
-            f"{caller}: storage_options['deadline_s'] must be a positive number of seconds, "
+            f"{call()}: storage_options['deadline_s'] must be a positive number of seconds, "
             f"got {value!r}."
         )
     return float(value)
@@ -146,3 +161,9 @@ def _accepts_listings_cache(cls: type) -> bool:
     from fsspec.implementations.memory import MemoryFileSystem
 
     return not issubclass(cls, MemoryFileSystem)
+
+
+for _scheme in ("file", "local"):
+    _registry.add_builtin(_scheme, _open_file)
+for _scheme in (*_EXTRAS, "memory"):
+    _registry.add_builtin(_scheme, _open_fsspec)

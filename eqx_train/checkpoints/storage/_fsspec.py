@@ -1,16 +1,17 @@
-"""Object stores behind an fsspec URL (`s3://bucket/run`, `gs://bucket/run`,
-`memory://run`): the `Storage` of `_storage.py` on a store that has no rename.
+"""Any fsspec filesystem as a `Storage` (`s3://bucket/run`, `gs://bucket/run`,
+`memory://run`, or a protocol registered with fsspec): a store that has no rename.
 
 An object appears atomically when its upload completes, so a file is uploaded straight
 under its final name (multipart for large ones); an upload that fails is aborted, and one
 whose writer was killed stays invisible. Every request has a deadline, reads are batched
-byte ranges, and a reader checks at the end that the object it read was not replaced.
+byte ranges, and a reader checks at the end that the object it read was not replaced. What
+only an S3 client can do (conditional-write proof, multipart listing and aborts) is in
+`_s3`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import secrets
 import threading
@@ -19,32 +20,30 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._errors import invalid
-from ..format import _names
-from ._storage import Item, Source, Upload, Writer, client_errors
+from . import _s3
+from ._base import BytesSink, Item, ObjectReplacedError, Source, Upload, Writer
+from ._client import client_errors, client_key, is_async, timestamp
+from ._temp import temp_name
 
 _PART_BYTES = 64 << 20  # multipart upload part size
 _READ_BYTES = 16 << 20  # bytes per ranged request; requests run in parallel
 _MERGE_GAP = 64 << 10  # neighbouring ranges closer than this are fetched by one request
 # How long one save may spend on object-store requests, unless `storage_options` says
 # otherwise ("deadline_s"); every request is also bounded on its own
-# (`_locations._CLIENT_DEFAULTS`).
+# (`_s3.CLIENT_DEFAULTS`).
 DEFAULT_DEADLINE_S = 1800.0
-# The user-metadata key under which every upload carries a random token (S3 lower-cases
-# it): the upload's own signature, to recognise an object as ours when the store's answer
-# was lost and the client's retry was refused.
-_UPLOAD_TOKEN = "eqx-train-upload"
 
 
-class _ObjectSource:
+class FsspecSource:
     """An object: its size and ETag read once, then byte-range requests, several in
     parallel. Object stores cannot pin a version for plain range reads, so a reader calls
     `check_unchanged` after its last read: if the object was replaced meanwhile (an
     overwrite of the same step), it raises `ObjectReplacedError` and the restore starts
     again on the new version."""
 
-    is_local = False
+    cheap_reads = False
 
-    def __init__(self, store: ObjectStorage, path: str, bad: Callable[[str], Exception]):
+    def __init__(self, store: FsspecStorage, path: str, bad: Callable[[str], Exception]):
         self.path = path
         self._store = store
         self._bad = bad
@@ -122,19 +121,27 @@ class _ConditionRefused(Exception):
     """The store does not implement conditional writes (If-None-Match)."""
 
 
-class ObjectReplacedError(FileNotFoundError):
-    """The version of an object being read is gone (overwritten or deleted meanwhile)."""
-
-
-class ObjectStorage:
-    """A bucket (or fsspec memory store) addressed by URLs `protocol://bucket/key`.
+class FsspecStorage:
+    """An fsspec filesystem (a bucket, the fsspec memory store...) as a `Storage`,
+    addressed by URLs `protocol://bucket/key`.
 
     Every request has a deadline: the client's own per-request timeouts and retries, and
     `deadline_s` for all the requests of one save (from `start_deadline()`), or for each
     request on its own outside a save. A request still unanswered then is cancelled, and
-    raises `TimeoutError` naming the URL."""
+    raises `TimeoutError` naming the URL.
 
-    is_local = False
+    **Arguments:**
+
+    - `protocol`: the URL scheme its paths carry (`"s3"`).
+    - `fs`: the fsspec filesystem instance.
+    - `deadline_s`: the time budget of one save's requests, in seconds.
+    """
+
+    atomic_rename = False
+    cheap_reads = False
+    os_errors_mean_bad_media = False
+    stale_by_age = True
+    save_deadline = True
 
     def __init__(self, protocol: str, fs: Any, *, deadline_s: float = DEFAULT_DEADLINE_S):
         self.protocol = protocol
@@ -142,13 +149,14 @@ class ObjectStorage:
         self.deadline_s = deadline_s
         self._ends: float | None = None  # time.monotonic() when this save's budget runs out
         self._conditional = True  # until the store answers that it has no conditional writes
+        self.is_async = is_async(fs)  # then each request takes a `timeout`
 
     def start_deadline(self) -> None:
         """Starts the budget of one save: from now on, all requests together have
         `deadline_s` seconds."""
         self._ends = time.monotonic() + self.deadline_s
 
-    def _remaining(self, url: str) -> float:
+    def remaining(self, url: str) -> float:
         if self._ends is None:
             return self.deadline_s
         left = self._ends - time.monotonic()
@@ -166,33 +174,20 @@ class ObjectStorage:
     def call(self, url: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`method(*args, **kwargs)` of the filesystem, for `url`, cancelled when the
         deadline passes (fsspec's asynchronous filesystems take a `timeout`)."""
-        timeout = self._remaining(url)
-        if _is_async(self.fs):
+        timeout = self.remaining(url)
+        if self.is_async:
             kwargs["timeout"] = timeout
-        with client_errors(url), self._deadline_errors(url):
+        with client_errors(url), self.deadline_errors(url):
             return method(*args, **kwargs)
 
     @contextlib.contextmanager
-    def _deadline_errors(self, url: str) -> Iterator[None]:
+    def deadline_errors(self, url: str) -> Iterator[None]:
         from fsspec.exceptions import FSTimeoutError
 
         try:
             yield
         except FSTimeoutError as error:  # fsspec cancelled the request at the deadline
             raise self._expired(url) from error
-
-    def _bound(self, stream: Any, url: str) -> None:
-        """Gives every request an s3fs upload stream makes the deadline too (its requests
-        all go through its `_call_s3`, which hands `timeout` on to fsspec)."""
-        inner = getattr(stream, "_call_s3", None)
-        if inner is None or not _is_async(self.fs):
-            return
-
-        def bounded(method: str, *args: Any, **kwargs: Any) -> Any:
-            with self._deadline_errors(url):
-                return inner(method, *args, timeout=self._remaining(url), **kwargs)
-
-        stream._call_s3 = bounded
 
     def strip(self, path: str) -> str:
         return self.fs._strip_protocol(path)
@@ -220,7 +215,7 @@ class ObjectStorage:
             if str(e["name"]).rstrip("/") == base:
                 continue  # some stores list a "directory" marker object as itself
             kind = e.get("type")
-            modified = _timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
+            modified = timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
             items.append(
                 Item(
                     name, self.join(directory, name), kind == "directory", kind == "file", modified
@@ -246,7 +241,7 @@ class ObjectStorage:
             name = str(key).removeprefix(base + "/")
             if e.get("type") != "file" or name == str(key) or not name.startswith(prefix):
                 continue
-            modified = _timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
+            modified = timestamp(e.get("LastModified") or e.get("mtime") or e.get("created"))
             items.append(
                 Item(name, self.join(directory, name), False, True, modified, self.identity_of(e))
             )
@@ -299,7 +294,7 @@ class ObjectStorage:
             # The memory store commits a file the moment it is opened: build the bytes
             # first, then put them in one step (under a lock: the store lives in this
             # process, so the check and the put are then one step for every writer).
-            buffer = _Buffer()
+            buffer = BytesSink()
             write(buffer)
             with _MEMORY_LOCK:
                 if not replace and self.exists(path):
@@ -323,10 +318,10 @@ class ObjectStorage:
         self, path: str, key: str, write: Writer, replace: bool, conditional: bool
     ) -> None:
         head, _, name = path.rpartition("/")
-        marker = _UploadMarker(self, f"{head}/{_names.temp_name(name)}")
+        marker = _UploadMarker(self, f"{head}/{temp_name(name)}")
         token = secrets.token_hex(16)
         stream = self._open_for_upload(key, conditional, token)
-        self._bound(stream, path)
+        _s3.bound_stream(self, stream, path)
         try:
             write(_MarkedStream(stream, marker))
             if not replace and self.exists(path):
@@ -361,7 +356,7 @@ class ObjectStorage:
 
     def _open_for_upload(self, key: str, conditional: bool, token: str) -> Any:
         # s3fs sends extra keyword arguments with the upload's requests.
-        signed = {"Metadata": {_UPLOAD_TOKEN: token}} if _is_s3fs(self.fs) else {}
+        signed = _s3.upload_options(self.fs, token)
         if conditional:
             with contextlib.suppress(ValueError, NotImplementedError, TypeError):
                 # "xb": the client asks the store to refuse the completion if the object
@@ -373,31 +368,12 @@ class ObjectStorage:
         """Whether the object `key` is the upload that carried `token`: False when it is
         absent or another's, or the store keeps no token; None when the store does not
         answer."""
-        call = getattr(self.fs, "call_s3", None)
-        if call is None or not _is_s3fs(self.fs):
-            return False
-        bucket, _, name = key.partition("/")
-        try:
-            head = self.call(path, call, "head_object", Bucket=bucket, Key=name)
-        except FileNotFoundError:
-            return False
-        except Exception:
-            return None
-        return (head.get("Metadata") or {}).get(_UPLOAD_TOKEN) == token
+        return _s3.is_ours(self, path, key, token)
 
     def _abort_key(self, path: str, key: str, stream: Any) -> None:
-        upload = getattr(stream, "mpu", None)
-        if not (upload and upload.get("UploadId")):
-            return
-        bucket, _, name = key.partition("/")
+        _s3.abort_multipart(self, path, key, stream)
 
-        def abort(store: ObjectStorage) -> None:
-            store.call(path, store.fs.call_s3, "abort_multipart_upload", Bucket=bucket,
-                       Key=name, UploadId=upload["UploadId"])  # fmt: skip
-
-        self._try_or_later(abort)
-
-    def _try_or_later(self, action: Callable[[ObjectStorage], None]) -> None:
+    def try_or_later(self, action: Callable[[FsspecStorage], None]) -> None:
         """Runs a cleanup request now, or (when the store does not answer) before the next
         write through this client (under that write's deadline)."""
         try:
@@ -406,18 +382,18 @@ class ObjectStorage:
             pass  # already gone
         except Exception:
             with _PENDING_LOCK:
-                pending = _PENDING.setdefault(_client_key(self.fs), [])
+                pending = _PENDING.setdefault(client_key(self.fs), [])
                 if len(pending) < _MAX_PENDING:
                     pending.append(action)
 
     def _finish_cleanup(self, url: str) -> None:
         with _PENDING_LOCK:
-            actions = _PENDING.pop(_client_key(self.fs), [])
+            actions = _PENDING.pop(client_key(self.fs), [])
         for action in actions:
-            self._try_or_later(action)
+            self.try_or_later(action)
 
     def open(self, path: str) -> Source:
-        return _ObjectSource(self, path, invalid(path))
+        return FsspecSource(self, path, invalid(path))
 
     @staticmethod
     def identity_of(info: Mapping[str, Any]) -> Any:
@@ -429,6 +405,9 @@ class ObjectStorage:
     def identity(self, path: str) -> Any:
         info = self.info(path)
         return None if info is None else self.identity_of(info)
+
+    def version(self, path: str) -> Any:
+        return self.identity(path)
 
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError):
@@ -452,81 +431,16 @@ class ObjectStorage:
 
     def unfinished_uploads(self, directory: str) -> list[Upload]:
         """The multipart uploads begun under `directory` and never completed (S3; other
-        stores either have none or expire them themselves), every page of the listing."""
-        call = getattr(self.fs, "call_s3", None)
-        if call is None:
-            return []
-        bucket, _, prefix = self.strip(directory).strip("/").partition("/")
-        prefix = prefix.rstrip("/") + "/" if prefix else ""
-        found: list[Upload] = []
-        markers: dict[str, str] = {}
-        while True:
-            try:
-                page = self.call(
-                    directory,
-                    call,
-                    "list_multipart_uploads",
-                    Bucket=bucket,
-                    Prefix=prefix,
-                    **markers,
-                )
-            except Exception:
-                return found  # cleanup is best effort: a listing error never fails a save
-            for upload in page.get("Uploads") or []:
-                key = str(upload.get("Key", ""))
-                if key.startswith(prefix) and upload.get("UploadId"):
-                    started = _timestamp(upload.get("Initiated"))
-                    found.append(Upload(key[len(prefix) :], str(upload["UploadId"]), started))
-            if not page.get("IsTruncated"):
-                return found
-            markers = {
-                "KeyMarker": page.get("NextKeyMarker", ""),
-                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
-            }
-            if not markers["KeyMarker"]:
-                return found
+        stores either have none or expire them themselves)."""
+        return _s3.unfinished_uploads(self, directory)
 
     def abort_upload(self, directory: str, upload: Upload) -> None:
-        bucket, _, prefix = self.strip(directory).strip("/").partition("/")
-        key = (prefix.rstrip("/") + "/" if prefix else "") + upload.name
-        with contextlib.suppress(Exception):  # already completed or aborted: nothing to do
-            self.call(
-                self.join(directory, upload.name),
-                self.fs.call_s3,
-                "abort_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload.upload_id,
-            )
-
-
-def _timestamp(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, datetime.datetime):
-        return value.timestamp()
-    return None
-
-
-def _is_async(fs: Any) -> bool:
-    from fsspec.asyn import AsyncFileSystem
-
-    return isinstance(fs, AsyncFileSystem)
-
-
-def _is_s3fs(fs: Any) -> bool:
-    return any(cls.__module__.partition(".")[0] == "s3fs" for cls in type(fs).__mro__)
-
-
-def _client_key(fs: Any) -> Any:
-    return getattr(fs, "_fs_token", None) or id(fs)
+        _s3.abort_upload(self, directory, upload)
 
 
 # Cleanup requests (aborting an upload, removing its marker) that failed because the store
 # did not answer, per client: the next write through that client runs them first.
-_PENDING: dict[Any, list[Callable[[ObjectStorage], None]]] = {}
+_PENDING: dict[Any, list[Callable[[FsspecStorage], None]]] = {}
 _PENDING_LOCK = threading.Lock()
 _MAX_PENDING = 1000
 
@@ -535,7 +449,7 @@ class _UploadMarker:
     """The empty object that names the writer of a multipart upload in progress; written
     just before the upload's first part, removed when the upload is over."""
 
-    def __init__(self, store: ObjectStorage, path: str):
+    def __init__(self, store: FsspecStorage, path: str):
         self.store, self.path, self.written = store, path, False
 
     def write(self) -> None:
@@ -550,10 +464,10 @@ class _UploadMarker:
         if self.written:
             path = self.path
 
-            def remove(store: ObjectStorage) -> None:
+            def remove(store: FsspecStorage) -> None:
                 store.call(path, store.fs.rm_file, store.strip(path))
 
-            self.store._try_or_later(remove)
+            self.store.try_or_later(remove)
 
 
 class _MarkedStream:
@@ -575,15 +489,6 @@ class _MarkedStream:
 
 
 _MEMORY_LOCK = threading.Lock()
-
-
-class _Buffer:
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, chunk: Any) -> int:
-        self.data += chunk
-        return len(chunk)
 
 
 def _buffers_locally(fs: Any) -> bool:

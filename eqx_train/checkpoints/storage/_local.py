@@ -1,16 +1,6 @@
-"""Where checkpoints live: the one small interface the rest of the checkpoint code sees
-(`Storage`, the `Source` of an open file, the `Item`s of a listing), and its local
-implementation. The code above never calls `os` or a client library directly. The promise
-is the same everywhere: `atomic_write` makes a file appear whole or not at all, listings
-show only what is there now, and `open` gives a byte source that stays one version of the
-file.
-
-- Local paths (and `file://` URLs) keep the POSIX protocol: a temporary file, fsync, a
-  rename (or a hard link, which never clobbers), fsync of the directory (`LocalStorage`,
-  here).
-- Object stores behind an fsspec URL (`s3://bucket/run`, `gs://bucket/run`, `memory://run`)
-  have no rename: `_object_storage.ObjectStorage`.
-- Which of the two a location names: `_locations.resolve`.
+"""The local disk (`LocalStorage`): local paths and `file://` URLs keep the POSIX
+protocol: a temporary file, fsync, a rename (or a hard link, which never clobbers), fsync of
+the directory. Every capability but `stale_by_age` and `save_deadline` holds here.
 """
 
 from __future__ import annotations
@@ -21,141 +11,27 @@ import errno
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._errors import invalid
-from ..format import _names
-
-
-@dataclass(frozen=True)
-class Item:
-    """One name in a listed directory."""
-
-    name: str
-    path: str
-    is_dir: bool
-    is_file: bool  # a regular file (or object), following symlinks
-    modified: float | None = None  # seconds since the epoch, where the listing says
-    identity: Any = None  # where the listing says (an ETag): equal for the same version
-
-
-@dataclass(frozen=True)
-class Upload:
-    """An upload begun and never completed (multipart, on S3): invisible, but billed."""
-
-    name: str  # the object's key relative to the directory listed: "a" or "a/b"
-    upload_id: str
-    started: float | None  # POSIX time
-
-
-@runtime_checkable
-class Source(Protocol):
-    """An open file: its size, reads of byte ranges, and an identity (two opens of the same
-    version of a file have equal identities)."""
-
-    path: str
-    size: int
-    identity: Any
-    is_local: bool  # local reads are cheap and sequential; object reads are batched
-
-    def read_into(self, view: memoryview, offset: int) -> None: ...
-
-    def read_ranges(self, jobs: Sequence[tuple[memoryview, int]]) -> None: ...
-
-    def check_unchanged(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-Writer = Callable[[Any], None]  # receives an int fd (local) or a binary stream (objects)
-
-
-@runtime_checkable
-class Storage(Protocol):
-    """The operations the checkpoint code needs from where checkpoints live."""
-
-    is_local: bool
-
-    def join(self, directory: str, name: str) -> str: ...
-
-    def list(self, directory: str) -> list[Item]: ...
-
-    def find(self, directory: str, prefix: str) -> list[Item]: ...
-
-    def is_file(self, path: str) -> bool: ...
-
-    def is_dir(self, path: str) -> bool: ...
-
-    def exists(self, path: str) -> bool: ...
-
-    def makedirs(self, path: str) -> None: ...
-
-    def start_deadline(self) -> None: ...
-
-    def atomic_write(self, path: str, write: Writer, *, replace: bool = True) -> None: ...
-
-    def open(self, path: str) -> Source: ...
-
-    def identity(self, path: str) -> Any: ...
-
-    def remove(self, path: str) -> None: ...
-
-    def move(self, path: str, new_path: str) -> None: ...
-
-    def remove_dir_if_empty(self, path: str) -> None: ...
-
-    def unfinished_uploads(self, directory: str) -> list[Upload]: ...
-
-    def abort_upload(self, directory: str, upload: Upload) -> None: ...
-
-
-# ----------------------------------------------------------------------------- client errors
-
-
-_CLIENT_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google"}
-
-
-@contextlib.contextmanager
-def client_errors(url: str) -> Iterator[None]:
-    """Errors of the object-store client (botocore's `NoCredentialsError`, a refused
-    connection...) become `OSError`s that name the URL; `OSError`s that do not name it (s3fs
-    turns a 403 into `PermissionError: Forbidden`) get it added and keep their type."""
-    try:
-        yield
-    except OSError as error:
-        if url in str(error):
-            raise
-        raise _naming(error, url) from error
-    except Exception as error:
-        if type(error).__module__.partition(".")[0] not in _CLIENT_MODULES:
-            raise
-        raise OSError(f"{url}: {type(error).__name__}: {error}") from error
-
-
-def _naming(error: OSError, url: str) -> OSError:
-    """`error` with `url` in front of its message, of the same type where that type can be
-    built from a message (so `except PermissionError` / `FileNotFoundError` still work)."""
-    message = f"{url}: {error}"
-    try:
-        named = type(error)(message)
-    except Exception:
-        return OSError(error.errno, message) if error.errno is not None else OSError(message)
-    if error.errno is not None and named.errno is None:
-        named.errno = error.errno
-    return named
-
-
-# ------------------------------------------------------------------------------------- local
+from ._base import Item, Source, Upload, Writer
+from ._temp import temp_name
 
 
 class LocalSource:
     """A local file through one file descriptor: a rename over it meanwhile cannot mix two
     versions. Opened without blocking, and refused unless it is a regular file (a FIFO under
-    a checkpoint name must not hang a restore)."""
+    a checkpoint name must not hang a restore).
 
-    is_local = True
+    **Arguments:**
+
+    - `path`: the file.
+    - `bad`: builds the error to raise for a file that is not what a reader expects (a
+      directory, not a regular file, truncated), from the reason.
+    """
+
+    cheap_reads = True
 
     def __init__(self, path: str, bad: Callable[[str], Exception]):
         self.path = path
@@ -257,9 +133,18 @@ def fsync_dir(path: str) -> None:
 
 
 class LocalStorage:
-    """A POSIX directory tree."""
+    """A POSIX directory tree: the `Storage` of local paths and `file://` URLs.
 
-    is_local = True
+    Writes go to a temporary file that is fsynced, then renamed (or hard-linked, which never
+    clobbers) under its name, and the directory is fsynced. A file is read through one
+    descriptor, so a rename over it meanwhile cannot mix two versions.
+    """
+
+    atomic_rename = True
+    cheap_reads = True
+    os_errors_mean_bad_media = True
+    stale_by_age = False
+    save_deadline = False
 
     def join(self, directory: str, name: str) -> str:
         return os.path.join(directory, name)
@@ -333,7 +218,7 @@ class LocalStorage:
         (a concurrent save of the same step), `FileExistsError` is raised and nothing is
         changed."""
         directory, name = os.path.split(path)
-        temp_path = os.path.join(directory, _names.temp_name(name))
+        temp_path = os.path.join(directory, temp_name(name))
         fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
@@ -359,6 +244,15 @@ class LocalStorage:
             return None
         return (info.st_dev, info.st_ino)
 
+    def version(self, path: str) -> Any:
+        """Like `identity`, with the time and size: an inode number alone may be reused
+        once a file is deleted, and a rename keeps all four."""
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+
     def remove(self, path: str) -> None:
         # Best effort: a name we cannot remove (a directory, another user's file) is left,
         # and never stops a save.
@@ -378,7 +272,7 @@ class LocalStorage:
         fsync_dir(os.path.dirname(new_path) or ".")
 
     def unfinished_uploads(self, directory: str) -> list[Upload]:
-        """Local writes leave temporary files instead (`_directory.remove_leftovers`)."""
+        """Local writes leave temporary files instead (cleaned up by name)."""
         return []
 
     def abort_upload(self, directory: str, upload: Upload) -> None:
