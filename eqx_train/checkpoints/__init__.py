@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .pipeline._matching import PartialRestoreWarning as PartialRestoreWarning
     from .pipeline._multiprocess import BarrierTimeoutError as BarrierTimeoutError
     from .pipeline._selection import ConfigMismatchWarning as ConfigMismatchWarning
+    from .storage import register_storage as register_storage
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
 __getattr__, __dir__ = exports(
@@ -43,6 +44,7 @@ __getattr__, __dir__ = exports(
         "convert_pre_linen": "format._legacy",
         "latest_checkpoint": "_api",
         "plan_restore": "_plan",
+        "register_storage": "storage",
         "restore_checkpoint": "_api",
         "save_checkpoint": "_api",
         "save_checkpoint_multiprocess": "_api",
@@ -62,6 +64,7 @@ __all__ = [
     "convert_pre_linen",
     "latest_checkpoint",
     "plan_restore",
+    "register_storage",
     "restore_checkpoint",
     "save_checkpoint",
     "save_checkpoint_multiprocess",

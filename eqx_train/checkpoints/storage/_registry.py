@@ -85,9 +85,10 @@ def opener_for(url: str, scheme: str, fsspec_opener: Opener) -> Opener:
     if scheme in _OPENERS:
         return _OPENERS[scheme]
     try:
-        import fsspec
+        from fsspec.registry import known_implementations, registry
 
-        known = scheme in fsspec.available_protocols()
+        # Built in, or registered at run time (`fsspec.register_implementation`).
+        known = scheme in known_implementations or scheme in registry
     except ImportError:  # pragma: no cover - fsspec is a dependency
         known = False
     if known:
