@@ -3,50 +3,17 @@ URL scheme serves every checkpoint call: saves, restores, listings and a
 `CheckpointManager`. Schemes that no backend serves, and registrations that cannot work,
 are refused with errors that say what to do."""
 
-import itertools
 import warnings
 
 import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints.storage import Item, Storage, StorageBase, register_storage
+from eqx_train.checkpoints.storage import Storage, register_storage
+from tests.dict_storage import DictStorage
 
 # --------------------------------------------------------------------- the user's backend
 
-
-class DictStorage(StorageBase):
-    """Files in a dict, keyed by URL: (a version number, the bytes); directories are
-    implicit."""
-
-    def __init__(self, files: dict[str, tuple[int, bytes]]):
-        self.files = files
-
-    def info(self, path):
-        if path in self.files:
-            version, data = self.files[path]
-            name = path.rsplit("/", 1)[-1]
-            return Item(name, path, is_dir=False, is_file=True, identity=version, size=len(data))
-        if any(key.startswith(path.rstrip("/") + "/") for key in self.files):
-            return Item(path.rsplit("/", 1)[-1], path, True, False)
-        return None
-
-    def list(self, directory):
-        base = directory.rstrip("/") + "/"
-        names = {key[len(base) :].split("/", 1)[0] for key in self.files if key.startswith(base)}
-        return [item for name in sorted(names) if (item := self.info(base + name)) is not None]
-
-    def read(self, path, offset, size):
-        return self.files[path][1][offset : offset + size]
-
-    def put(self, path, data):
-        self.files[path] = (next(VERSIONS), bytes(data))
-
-    def delete(self, path):
-        del self.files[path]
-
-
-VERSIONS = itertools.count()
 BUCKETS: dict[str, dict[str, tuple[int, bytes]]] = {}
 OPTIONS_SEEN: list[dict] = []
 
@@ -57,13 +24,13 @@ def open_dict_storage(url, **storage_options):
     return DictStorage(BUCKETS.setdefault(bucket, {}))
 
 
-register_storage("dictstore", open_dict_storage)
+register_storage("userdict", open_dict_storage)
 
 
 @pytest.fixture
 def url(request):
     bucket = f"b{len(BUCKETS)}-{request.node.name}"[:60]
-    yield f"dictstore://{bucket}/run"
+    yield f"userdict://{bucket}/run"
     BUCKETS.pop(bucket, None)
 
 
@@ -130,20 +97,20 @@ def test_an_unknown_scheme_names_the_scheme_and_register_storage():
 
 
 def test_registering_a_scheme_twice_is_refused():
-    with pytest.raises(ValueError, match=r"'dictstore' already has a storage.*replace=True"):
-        register_storage("dictstore", open_dict_storage)
+    with pytest.raises(ValueError, match=r"'userdict' already has a storage.*replace=True"):
+        register_storage("userdict", open_dict_storage)
     with pytest.raises(ValueError, match=r"'s3' already has a storage"):
         register_storage("S3", open_dict_storage)
 
 
 def test_replace_true_replaces_a_registration():
-    register_storage("dictstore2", lambda url, **options: DictStorage({}))
-    register_storage("dictstore2", open_dict_storage, replace=True)
-    checkpoints.save_checkpoint("dictstore2://replaced/run", {"x": np.zeros(1)}, 1)
-    assert "dictstore2://replaced/run/checkpoint_1.safetensors" in BUCKETS.pop("replaced")
+    register_storage("userdict2", lambda url, **options: DictStorage({}))
+    register_storage("userdict2", open_dict_storage, replace=True)
+    checkpoints.save_checkpoint("userdict2://replaced/run", {"x": np.zeros(1)}, 1)
+    assert "userdict2://replaced/run/checkpoint_1.safetensors" in BUCKETS.pop("replaced")
 
 
-@pytest.mark.parametrize("scheme", ["", "s3://", "1abc", "a b", 3])
+@pytest.mark.parametrize("scheme", ["", "s3://", "1abc", "a b", "a.b", 3])
 def test_a_scheme_that_is_no_url_scheme_is_refused(scheme, without_type_checks):
     with pytest.raises(ValueError, match=r"register_storage: scheme must be a URL scheme"):
         register_storage(scheme, open_dict_storage)  # type: ignore[arg-type]

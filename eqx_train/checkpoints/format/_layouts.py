@@ -21,7 +21,7 @@ from typing import Any, Literal, NamedTuple
 
 from .._errors import CheckpointFormatError, short
 from ..storage import LocalStorage, Storage
-from ..storage._locations import is_url
+from ..storage._urls import is_url
 from . import _names
 from ._format import FileReader
 from ._hf_layout import IndexReader

@@ -23,17 +23,13 @@ from . import _registry, _s3
 from ._base import Storage
 from ._fsspec import DEFAULT_DEADLINE_S, FsspecStorage
 from ._local import LocalStorage
+from ._urls import is_url, plain_location
 
 # The fsspec protocols eqx_train knows, and the extra that installs each one's client.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 _LOCAL = LocalStorage()
 _COLLAPSED_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
-
-
-def is_url(path: str) -> bool:
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and scheme.replace("+", "").replace("-", "").isalnum()
 
 
 def resolve(
@@ -76,20 +72,6 @@ def _open_file(url: str, scheme: str, rest: str, options: dict[str, Any]) -> tup
     return _LOCAL, rest
 
 
-def plain_location(url: str, rest: str) -> str:
-    """`rest` (what follows "://" in `url`) without trailing `/`, once it is known to be a
-    plain location that no store would rewrite."""
-    if "?" in rest or "#" in rest:
-        raise ValueError(
-            f"{call()}: {url!r} has a query or fragment ('?' or '#'); checkpoint URLs are "
-            "plain locations such as s3://bucket/run (options go in storage_options=)."
-        )
-    rest = rest.rstrip("/")
-    if rest:  # not the root of a memory store
-        _check_key(url, rest[1:] if url.lower().startswith("memory:") and rest[0] == "/" else rest)
-    return rest
-
-
 def _open_fsspec(
     url: str, protocol: str, rest: str, options: dict[str, Any]
 ) -> tuple[Storage, str]:
@@ -118,28 +100,6 @@ def _open_fsspec(
         options.setdefault("use_listings_cache", False)
     fs = cls(**_s3.client_options(cls, options))
     return FsspecStorage(protocol, fs, deadline_s=deadline_s), f"{protocol}://{rest}"
-
-
-def _check_key(url: str, rest: str) -> None:
-    """Refuses a location that an object store would not keep as written. Stores rewrite
-    some keys (SeaweedFS turns `a//b` and `a\\b` into `a/b`; S3 clients and servers treat
-    `.` and `..` segments differently; some stores drop a trailing `.`): a save would then
-    land under another key, a listing would find nothing, and two such URLs could collide."""
-    segments = rest.split("/")
-    problems = [
-        ("a backslash", "\\" in rest),
-        ("an empty path segment ('//')", any(not part for part in segments)),
-        ("a '.' or '..' segment", any(part in (".", "..") for part in segments)),
-        ("a segment ending in '.'", any(part.endswith(".") for part in segments)),
-        ("a control character", any(ord(c) < 32 or ord(c) == 127 for c in rest)),
-    ]
-    found = [what for what, present in problems if present]
-    if found:
-        raise ValueError(
-            f"{call()}: {url!r} has {found[0]}; object stores rewrite such keys, so the "
-            "checkpoints would land under another name and a resume would not find them. "
-            "Use plain segments separated by single '/'."
-        )
 
 
 def _deadline(value: Any) -> float:

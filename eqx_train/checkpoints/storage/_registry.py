@@ -12,13 +12,14 @@ from typing import Any
 
 from .._errors import call, short
 from ._base import Storage
+from ._urls import plain_location
 
 # (the URL as given, its scheme in lower case, what follows "://", storage_options) ->
 # (the storage, the location as that storage names it).
 Opener = Callable[[str, str, str, dict[str, Any]], tuple[Storage, str]]
 
 _OPENERS: dict[str, Opener] = {}
-_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
+_SCHEME = re.compile(r"[a-z][a-z0-9+-]*")
 # Every name the checkpoint code calls on a storage: a factory's result must have them all.
 _REQUIRED = (
     *("atomic_rename", "cheap_reads", "os_errors_mean_bad_media", "stale_by_age"),
@@ -42,7 +43,7 @@ def register_storage(
     **Arguments:**
 
     - `scheme`: the URL scheme, such as `"mystore"` for `mystore://bucket/run` (letters,
-      digits, `+`, `-`, `.`, starting with a letter; case does not matter).
+      digits, `+` and `-`, starting with a letter; case does not matter).
     - `factory`: a callable `factory(url, **storage_options) -> Storage`.
     - `replace`: replace the storage already registered for `scheme` (a built-in one such
       as `s3` included). Without it, registering a scheme twice is refused.
@@ -54,7 +55,7 @@ def register_storage(
     if not isinstance(scheme, str) or not _SCHEME.fullmatch(scheme.lower()):
         raise ValueError(
             "register_storage: scheme must be a URL scheme such as 'mystore' (a letter, then "
-            f"letters, digits, '+', '-' or '.'), without '://', got {short(scheme)}."
+            f"letters, digits, '+' or '-'), without '://', got {short(scheme)}."
         )
     if not callable(factory):
         raise TypeError(
@@ -104,8 +105,6 @@ def _user_opener(factory: Callable[..., Storage]) -> Opener:
     def open_location(
         url: str, scheme: str, rest: str, options: dict[str, Any]
     ) -> tuple[Storage, str]:
-        from ._locations import plain_location
-
         rest = plain_location(url, rest)
         store = factory(url, **options)
         missing = [name for name in _REQUIRED if not hasattr(store, name)]

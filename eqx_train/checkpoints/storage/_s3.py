@@ -7,13 +7,12 @@ Every other store goes without (`FsspecStorage` calls these; each is a no-op els
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 from ._base import Upload
 from ._client import timestamp
-
-if TYPE_CHECKING:
-    from ._fsspec import FsspecStorage
 
 # botocore settings (s3fs's `config_kwargs`) unless the caller sets them: a store that stops
 # answering fails a request in seconds rather than after botocore's and s3fs's nested
@@ -27,6 +26,26 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 # it): the upload's own signature, to recognise an object as ours when the store's answer
 # was lost and the client's retry was refused.
 UPLOAD_TOKEN = "eqx-train-upload"
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What these functions use of `_fsspec.FsspecStorage`, which calls them."""
+
+    fs: Any
+    is_async: bool
+
+    def call(self, url: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+
+    def strip(self, path: str) -> str: ...
+
+    def join(self, directory: str, name: str) -> str: ...
+
+    def remaining(self, url: str) -> float: ...
+
+    def deadline_errors(self, url: str) -> AbstractContextManager[None]: ...
+
+    def try_or_later(self, action: Callable[[Any], None]) -> None: ...
 
 
 def is_s3fs(cls: type) -> bool:
@@ -49,7 +68,7 @@ def upload_options(fs: Any, token: str) -> dict[str, Any]:
     return {"Metadata": {UPLOAD_TOKEN: token}} if is_s3fs(type(fs)) else {}
 
 
-def is_ours(store: FsspecStorage, path: str, key: str, token: str) -> bool | None:
+def is_ours(store: Store, path: str, key: str, token: str) -> bool | None:
     """Whether the object `key` is the upload that carried `token`: False when it is absent
     or another's, or the store keeps no token; None when the store does not answer."""
     call = getattr(store.fs, "call_s3", None)
@@ -65,7 +84,7 @@ def is_ours(store: FsspecStorage, path: str, key: str, token: str) -> bool | Non
     return (head.get("Metadata") or {}).get(UPLOAD_TOKEN) == token
 
 
-def bound_stream(store: FsspecStorage, stream: Any, url: str) -> None:
+def bound_stream(store: Store, stream: Any, url: str) -> None:
     """Gives every request an s3fs upload stream makes the save's deadline too (its
     requests all go through its `_call_s3`, which hands `timeout` on to fsspec)."""
     inner = getattr(stream, "_call_s3", None)
@@ -79,7 +98,7 @@ def bound_stream(store: FsspecStorage, stream: Any, url: str) -> None:
     stream._call_s3 = bounded
 
 
-def abort_multipart(store: FsspecStorage, path: str, key: str, stream: Any) -> None:
+def abort_multipart(store: Store, path: str, key: str, stream: Any) -> None:
     """Aborts the multipart upload `stream` began (if it began one), now or before the
     next write through the same client."""
     upload = getattr(stream, "mpu", None)
@@ -87,14 +106,14 @@ def abort_multipart(store: FsspecStorage, path: str, key: str, stream: Any) -> N
         return
     bucket, _, name = key.partition("/")
 
-    def abort(store: FsspecStorage) -> None:
+    def abort(store: Store) -> None:
         store.call(path, store.fs.call_s3, "abort_multipart_upload", Bucket=bucket,
                    Key=name, UploadId=upload["UploadId"])  # fmt: skip
 
     store.try_or_later(abort)
 
 
-def unfinished_uploads(store: FsspecStorage, directory: str) -> list[Upload]:
+def unfinished_uploads(store: Store, directory: str) -> list[Upload]:
     """The multipart uploads begun under `directory` and never completed, every page of
     the listing; none where the client has no S3 calls."""
     call = getattr(store.fs, "call_s3", None)
@@ -126,7 +145,7 @@ def unfinished_uploads(store: FsspecStorage, directory: str) -> list[Upload]:
             return found
 
 
-def abort_upload(store: FsspecStorage, directory: str, upload: Upload) -> None:
+def abort_upload(store: Store, directory: str, upload: Upload) -> None:
     """Aborts `upload` (found by `unfinished_uploads` under `directory`)."""
     call = getattr(store.fs, "call_s3", None)
     if call is None:
