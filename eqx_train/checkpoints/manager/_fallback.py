@@ -33,14 +33,6 @@ UNREADABLE_ERRNOS = frozenset(
 )
 
 
-class UnreadableCheckpointWarning(UserWarning):
-    """A checkpoint in a manager's directory could not be read: while ranking by metric it
-    counts as having no metric (it is kept only as one of the latest); when
-    `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
-    that verifies instead, moves each one skipped aside (to `corrupt-<its name>`, which no
-    listing counts), and this warning names each one skipped and where it went."""
-
-
 def restore_latest_that_verifies(
     store: _storage.Storage,
     directory: str,
