@@ -1,5 +1,5 @@
-"""Which checkpoints a `CheckpointManager` keeps: the metrics it stores in each file and
-ranks them by, and the retention rule (the latest N, the best K, flax's every-N-steps)."""
+"""What a `CheckpointManager` keeps and ranks by: the metrics it stores in each file, the
+reading of them (`Ranking`), and applying a retention policy to a directory's listing."""
 
 from __future__ import annotations
 
@@ -9,43 +9,29 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
 from jax.typing import ArrayLike
 
-from .._errors import NewerFormatError, outside_stacklevel
+from .._errors import (
+    UNREADABLE_ERRNOS,
+    NewerFormatError,
+    UnreadableCheckpointWarning,
+    call,
+    in_context,
+    outside_stacklevel,
+)
 from ..format import _format, _names
 from ..format._names import METRICS_KEY as _METRICS_KEY
 from ..pipeline import _directory
-from ..pipeline._restore import RESTORE_ATTEMPTS
 from ..storage import _storage
-from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
+from ._retention_policy import Mode, RetentionContext, RetentionPolicy
 
-
-def check_policy(
-    keep_latest: Any,
-    keep_best: Any,
-    best_metric: Any,
-    mode: Any,
-    keep_every_n_steps: Any,
-) -> None:
-    """Raises `ValueError` naming the first of a manager's retention options that is invalid."""
-    if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
-        raise ValueError(
-            f"CheckpointManager: keep_latest must be an int >= 1 (the newest checkpoint is "
-            f"what resuming needs), got {keep_latest!r}."
-        )
-    if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-        raise ValueError(f"CheckpointManager: keep_best must be an int >= 0, got {keep_best!r}.")
-    if keep_best > 0 and not best_metric:
-        raise ValueError(
-            f"CheckpointManager: keep_best={keep_best} needs best_metric, the name of the "
-            "metric that ranks checkpoints (e.g. best_metric='val_loss')."
-        )
-    if mode not in ("min", "max"):
-        raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
-    _directory.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
+# What `metrics_of` read: (the metrics saved with a checkpoint or None, why they could not
+# be read or None).
+Read = tuple[dict[str, Any] | None, str | None]
 
 
 def metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, str]:
@@ -56,11 +42,9 @@ def metadata_of(store: _storage.Storage, entry: _directory.Entry) -> dict[str, s
         return reader.metadata
 
 
-def metric_of(
-    store: _storage.Storage, entry: _directory.Entry, best_metric: str | None
-) -> tuple[float | None, str | None]:
-    """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
-    Raises `FileNotFoundError` if the checkpoint is gone."""
+def metrics_of(store: _storage.Storage, entry: _directory.Entry) -> Read:
+    """(the metrics saved with the checkpoint, or None; why they could not be read, or
+    None). Raises `FileNotFoundError` if the checkpoint is gone."""
     try:
         raw = metadata_of(store, entry).get(_METRICS_KEY)
         metrics = json.loads(raw) if raw else None
@@ -74,48 +58,46 @@ def metric_of(
             # permission), says nothing about the checkpoint: never let it make retention
             # delete the best one.
             error.add_note(
-                f"CheckpointManager: while reading the metrics of {entry.path} to rank the "
-                "checkpoints (retention, or step='best'); nothing was deleted."
+                f"{call('CheckpointManager')}: while reading the metrics of {entry.path} to "
+                "rank the checkpoints (retention, or step='best'); nothing was deleted."
             )
             raise
         return None, str(error)
-    value = metrics.get(best_metric or "") if isinstance(metrics, dict) else None
+    return (metrics if isinstance(metrics, dict) else None), None
+
+
+def usable(metrics: dict[str, Any] | None, name: str | None) -> float | None:
+    """The value of metric `name` in `metrics`, if it is a number and not NaN."""
+    value = metrics.get(name or "") if metrics is not None else None
     if value is None or not isinstance(value, int | float) or math.isnan(value):
-        return None, None
-    return float(value), None
+        return None
+    return float(value)
 
 
 class Ranking:
-    """Ranks the checkpoints of one store by a metric, remembering what it read."""
+    """Reads and ranks the metrics of the checkpoints of one store, remembering what it
+    read."""
 
     def __init__(self, store: _storage.Storage):
         self.store = store
-        # (path, listed version) -> what `metric_of` read: on an object store, retention
+        # (path, listed version) -> what `metrics_of` read: on an object store, retention
         # and "best" then read only the metrics of checkpoints not seen before.
-        self.cache: dict[tuple[str, Any], tuple[float | None, str | None]] = {}
+        self.cache: dict[tuple[str, Any], Read] = {}
 
-    def ranked(
-        self,
-        entries: list[_directory.Entry],
-        *,
-        best_metric: str | None,
-        mode: str,
-        gone_ok: bool,
-    ) -> list[_directory.Entry]:
-        """`entries` with a usable metric, best first (ties: newer first). The metrics are
-        read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
-        or raises `FileNotFoundError` (so that the caller lists again)."""
-
+    def read(self, entries: list[_directory.Entry], *, gone_ok: bool) -> list[Read]:
+        """What `metrics_of` reads of each of `entries`, read concurrently; a warning for
+        each whose metrics are unreadable. A checkpoint gone meanwhile counts as having
+        none (`gone_ok`) or raises `FileNotFoundError` (so that the caller lists again)."""
         cache = self.cache
 
-        def score(entry: _directory.Entry) -> tuple[float | None, str | None]:
+        def read_one(entry: _directory.Entry) -> Read:
             # A checkpoint never changes but by being replaced, which changes the version
             # the listing reports: what was read for that version stays true.
             key = (entry.path, entry.identity)
             if entry.identity is not None and key in cache:
                 return cache[key]
             try:
-                found = metric_of(self.store, entry, best_metric)
+                found = metrics_of(self.store, entry)
             except FileNotFoundError:
                 if gone_ok:
                     return None, None
@@ -126,68 +108,71 @@ class Ranking:
 
         # Concurrently: on an object store each read is a request, latency-bound.
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:
-            scores = list(pool.map(score, entries))
+            read = list(pool.map(in_context(read_one), entries))
         listed = {(e.path, e.identity) for e in entries}
         self.cache = {k: v for k, v in cache.items() if k in listed}
-        for entry, (_, problem) in zip(entries, scores, strict=True):
+        for entry, (_, problem) in zip(entries, read, strict=True):
             if problem is not None:
                 warnings.warn(
-                    f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
-                    "it counts as having none.",
+                    f"{call('CheckpointManager')}: cannot read the metrics of {entry.path} "
+                    f"({problem}); it counts as having none.",
                     UnreadableCheckpointWarning,
                     stacklevel=outside_stacklevel(sys._getframe()),
                 )
-        usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
-        sign = 1.0 if mode == "min" else -1.0
-        usable.sort(key=lambda item: (sign * item[0], -item[1].value))
-        return [e for _, e in usable]
+        return read
 
     def best(
         self,
         list_checkpoints: Callable[[], list[_directory.Entry]],
         *,
-        best_metric: str | None,
-        mode: str,
+        metric: str,
+        mode: Mode,
+        attempts: int,
     ) -> _directory.Entry | None:
-        """The best checkpoint by `best_metric`, ranked on one listing; listed again if
-        retention removed a checkpoint while its metric was being read."""
-        for attempt in range(RESTORE_ATTEMPTS):
+        """The best checkpoint by `metric`, ranked on one listing; listed again (up to
+        `attempts` times) if retention removed a checkpoint while its metric was read."""
+        for attempt in range(attempts):
+            entries = _directory.preferred(list_checkpoints())
             try:
-                ranked = self.ranked(
-                    _directory.preferred(list_checkpoints()),
-                    best_metric=best_metric,
-                    mode=mode,
-                    gone_ok=False,
-                )
+                read = self.read(entries, gone_ok=False)
             except FileNotFoundError:
-                if attempt + 1 == RESTORE_ATTEMPTS:
+                if attempt + 1 == attempts:
                     raise
                 continue
+            ranked = rank(entries, read, metric, mode)
             return ranked[0] if ranked else None
         raise AssertionError("unreachable")  # pragma: no cover
 
 
+def rank(
+    entries: list[_directory.Entry], read: list[Read], metric: str, mode: Mode
+) -> list[_directory.Entry]:
+    """`entries` with a usable `metric` in what was `read` of them, best first (ties: newer
+    first)."""
+    scored = [
+        (value, entry)
+        for (metrics, _), entry in zip(read, entries, strict=True)
+        if (value := usable(metrics, metric)) is not None
+    ]
+    sign = 1.0 if mode == "min" else -1.0
+    scored.sort(key=lambda item: (sign * item[0], -item[1].value))
+    return [entry for _, entry in scored]
+
+
 def to_delete(
-    entries: list[_directory.Entry],
-    *,
-    keep_latest: int,
-    keep_every_n_steps: int | float | None,
-    keep_best: int,
-    rank: Any,
+    entries: list[_directory.Entry], policy: RetentionPolicy, ranking: Ranking
 ) -> list[str]:
-    """The step texts of `entries` (oldest first) that retention deletes: all but the newest
-    `keep_latest`, those flax's `keep_every_n_steps` rule keeps, and the best `keep_best` by
-    `rank(entries)` (called only when some checkpoint might go)."""
-    steps = [(e.value, e.text) for e in entries]
-    keep = {e.text for e in entries[-keep_latest:]}
-    kept_by_flax_rule = set(text for _, text in steps[: max(len(steps) - keep_latest, 0)]) - set(
-        _directory.steps_to_delete(steps, keep=keep_latest, keep_every_n_steps=keep_every_n_steps)
-    )
-    keep.update(kept_by_flax_rule)
-    if keep_best and len(keep) < len(entries):
-        # Metrics are read only when some checkpoint might go.
-        keep.update(e.text for e in rank(entries)[:keep_best])
-    return [e.text for e in entries if e.text not in keep]
+    """The step texts of `entries` (one per step, oldest first) that `policy` does not
+    keep. Metrics are read (through `ranking`) only if the policy asks, and then once."""
+    read: list[Read] = []
+
+    def ranked(metric: str, mode: Mode) -> list[Decimal]:
+        if not read:
+            read.extend(ranking.read(entries, gone_ok=True))
+        return [entry.value for entry in rank(entries, read, metric, mode)]
+
+    kept = policy.keep(RetentionContext(tuple(e.value for e in entries), ranked))
+    return [e.text for e in entries if e.value not in kept]
 
 
 def encode_metrics(metrics: Mapping[str, ArrayLike] | None) -> str:
@@ -200,7 +185,7 @@ def encode_metrics(metrics: Mapping[str, ArrayLike] | None) -> str:
             encoded[str(name)] = float(np.asarray(value))
         except (TypeError, ValueError):
             raise TypeError(
-                f"CheckpointManager.save: metric '{name}' must be a number, got "
+                f"{call('CheckpointManager.save')}: metric '{name}' must be a number, got "
                 f"{type(value).__name__} {value!r}."
             ) from None
     return json.dumps(encoded)
@@ -214,5 +199,5 @@ def encode_metadata(metadata: Mapping[str, Any] | None) -> str:
         return json.dumps(dict(metadata))
     except (TypeError, ValueError) as error:
         raise TypeError(
-            f"CheckpointManager.save: metadata must be JSON-serialisable ({error})."
+            f"{call('CheckpointManager.save')}: metadata must be JSON-serialisable ({error})."
         ) from None
