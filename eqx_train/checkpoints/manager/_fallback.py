@@ -84,36 +84,7 @@ def restore_latest_that_verifies(
         # The version found unreadable: only that one may be moved aside later.
         tried[entry.path] = (entry, _version(store, entry) if entry.path in skipped else None)
         if multiprocess:
-            # Each process reads only its devices' pieces: a corruption one of them
-            # sees must make every one skip that checkpoint.
-            seen = _coordination.gather(
-                _coordination.next_id("restore_fallback"),
-                json.dumps([entry.path, outcome]),
-                timeout_s=timeout_s,
-                caller=who,
-            )
-            reports = [json.loads(r) for r in seen]
-            failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
-            if failure is not None:
-                raise failure
-            if failed:
-                raise RuntimeError(
-                    f"{who}: process {failed[0][0]} could not restore {entry.path} "
-                    f"({failed[0][1].removeprefix('failed: ')})."
-                )
-            if any(path != entry.path or o == "gone" for path, o in reports):
-                outcome = "gone"  # listings differ, or one raced retention: list again
-                # Skipped only when all agree it is corrupt, so that every process's next
-                # candidate stays the same.
-                skipped.pop(entry.path, None)
-            else:
-                bad = [o for _, o in reports if o != "ok"]
-                if bad and outcome == "ok":
-                    tried[entry.path] = (entry, _version(store, entry))
-                    outcome = bad[0]
-                    skipped[entry.path] = CheckpointFormatError(
-                        f"{entry.path}: another process found it {bad[0]}"
-                    )
+            outcome = _agree(store, entry, outcome, failure, skipped, tried, timeout_s)
         if outcome == "ok":
             moved = _quarantine(store, directory, [tried[p] for p in skipped], timeout_s)
             for path, error in skipped.items():
@@ -133,6 +104,51 @@ def restore_latest_that_verifies(
                     f"being restored ({entry.path} vanished)"
                 )
             listing = _directory.preferred(list_checkpoints())
+
+
+def _agree(
+    store: _storage.Storage,
+    entry: _directory.Entry,
+    outcome: str,
+    failure: Exception | None,
+    skipped: dict[str, Exception],
+    tried: dict[str, tuple[_directory.Entry, Any]],
+    timeout_s: int | float,
+) -> str:
+    """The outcome of restoring `entry` that every process of the job agrees on, from this
+    process's own (`outcome`, and the error it failed with, if any): each process reads
+    only its devices' pieces, so a corruption one of them sees makes every one skip that
+    checkpoint (`skipped`, `tried` updated to match); "gone" when the processes listed
+    different checkpoints or one raced retention. Raises when a process failed otherwise."""
+    who = call("CheckpointManager.restore")
+    seen = _coordination.gather(
+        _coordination.next_id("restore_fallback"),
+        json.dumps([entry.path, outcome]),
+        timeout_s=timeout_s,
+        caller=who,
+    )
+    reports = [json.loads(r) for r in seen]
+    failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(
+            f"{who}: process {failed[0][0]} could not restore {entry.path} "
+            f"({failed[0][1].removeprefix('failed: ')})."
+        )
+    if any(path != entry.path or o == "gone" for path, o in reports):
+        # Skipped only when all agree it is corrupt, so that every process's next
+        # candidate stays the same.
+        skipped.pop(entry.path, None)
+        return "gone"
+    bad = [o for _, o in reports if o != "ok"]
+    if bad and outcome == "ok":
+        tried[entry.path] = (entry, _version(store, entry))
+        skipped[entry.path] = CheckpointFormatError(
+            f"{entry.path}: another process found it {bad[0]}"
+        )
+        return bad[0]
+    return outcome
 
 
 def _version(store: _storage.Storage, entry: _directory.Entry) -> Any:

@@ -4,11 +4,9 @@ raises the errors of background saves loudly."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
 import jax
@@ -17,21 +15,22 @@ from jax.typing import ArrayLike
 # The save pipeline's entry point: the one seam to the layer above the pipeline, until
 # the pipeline holds it.
 from .._api import save_pipeline
-from .._errors import StepNotFoundError, calling, in_context
+from .._errors import calling, in_context
 from ..format import _names
 from ..format._names import (
     METRICS_KEY as _METRICS_KEY,
     USER_METADATA_KEY as _USER_METADATA_KEY,
 )
-from ..pipeline import _coordination, _directory, _matching, _restore, _selection, _transform
+from ..pipeline import _coordination, _directory, _matching, _restore, _transform
 from ..pipeline._async import AsyncManager
 from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
 from ..pipeline._snapshot import SnapshotMode
 from ..pipeline._window import DEFAULT_HOST_WINDOW_BYTES
 from ..storage import _locations
 from . import _preemption, _retention
+from ._checks import manager_options, restore_options
 from ._fallback import restore_latest_that_verifies
-from ._options import ManagerOptions, Option as _Option, manager_options
+from ._retention import ManagedDirectory
 from ._retention_policy import RetentionPolicy
 from ._save_policy import SavePolicy
 
@@ -43,7 +42,7 @@ T = TypeVar("T")
 _clock = time.monotonic
 
 
-class CheckpointManager:
+class CheckpointManager(ManagedDirectory):
     """Saves checkpoints into one directory and decides which to keep.
 
     Which checkpoints to keep is a retention policy, applied after each save is durable;
@@ -163,23 +162,6 @@ class CheckpointManager:
     `should_save` consults its sync point instead.
     """
 
-    prefix = _Option[str]()
-    retention = _Option[RetentionPolicy]()
-    save_policy = _Option[SavePolicy]()
-    keep_latest = _Option["int | None"]()
-    keep_best = _Option["int | None"]()
-    best_metric = _Option["str | None"]()
-    mode = _Option[Literal["min", "max"]]()
-    keep_every_n_steps = _Option["int | float | None"]()
-    save_interval_steps = _Option["int | None"]()
-    save_interval_seconds = _Option["int | float | None"]()
-    snapshot = _Option[SnapshotMode]()
-    host_window_bytes = _Option[int]()
-    timeout_s = _Option["int | float"]()
-    handle_sigterm = _Option[bool]()
-    replica_parallel = _Option[bool]()
-    storage_options = _Option["Mapping[str, Any] | None"]()
-
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -204,7 +186,8 @@ class CheckpointManager:
     ):
         with calling("CheckpointManager"):
             options = manager_options(**{k: v for k, v in locals().items() if k != "self"})
-            self._options: ManagerOptions = options
+            self._options = options
+            self._attempts = RESTORE_ATTEMPTS
             self._store, self.directory = _locations.resolve(
                 directory, storage_options, caller="CheckpointManager"
             )
@@ -392,38 +375,6 @@ class CheckpointManager:
         except Exception as save_error:  # report both, without hiding the original error
             exc.add_note(f"Also, a background checkpoint save failed: {save_error!r}")
 
-    # ------------------------------------------------------------------ reading
-
-    def all_steps(self) -> list[int | float]:
-        """Steps of the checkpoints in the directory, oldest first."""
-        return list({e.value: e.step for e in self._listing()}.values())
-
-    def latest_step(self) -> int | float | None:
-        """The newest step, or None when there is no checkpoint."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
-
-    def best_step(self) -> int | float | None:
-        """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
-        metric = self._options.best_metric
-        if not metric:
-            raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
-        with calling("CheckpointManager.best_step"):
-            best = self._ranking.best(
-                self._listing, metric=metric, mode=self._options.mode, attempts=RESTORE_ATTEMPTS
-            )
-        return None if best is None else best.step
-
-    def metrics(self, step: _names.Step) -> dict[str, float] | None:
-        """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = _retention.metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
-        return None if raw is None else json.loads(raw)
-
-    def metadata(self, step: _names.Step) -> dict[str, Any] | None:
-        """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = _retention.metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
-        return None if raw is None else json.loads(raw)
-
     def restore(
         self,
         target: T,
@@ -483,26 +434,17 @@ class CheckpointManager:
         them skip it.
         """
         with calling("CheckpointManager.restore"):
-            _selection.check_config(config, "CheckpointManager.restore")
-            _matching.check_options(
-                casting,
-                rename,
-                "CheckpointManager.restore",
-                target=target,
+            options = restore_options(
+                self._options,
+                target,
+                config=config,
                 filter_spec=filter_spec,
+                strict=strict,
+                rename=rename,
+                casting=casting,
                 transform=transform,
             )
             self.wait()
-            options: dict[str, Any] = {
-                "config": config,
-                "filter_spec": filter_spec,
-                "strict": strict,
-                "rename": rename,
-                "casting": casting,
-                "transform": transform,
-                "host_window_bytes": self._options.host_window_bytes,
-                "replica_parallel": self._options.replica_parallel,
-            }
             if step == "best":
                 return self._restore_best(target, options)
             if step is not None or not fallback:
@@ -510,22 +452,6 @@ class CheckpointManager:
             return self._restore_latest(target, options)
 
     # ------------------------------------------------------------------ internals
-
-    def _latest(self) -> Decimal | None:
-        listing = self._listing()
-        return listing[-1].value if listing else None
-
-    def _listing(self) -> list[_directory.Entry]:
-        return _directory.list_checkpoints(self._store, self.directory, self._options.prefix)
-
-    def _entry(self, step: _names.Step) -> _directory.Entry:
-        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
-        if found is not None:
-            return found
-        raise StepNotFoundError(
-            f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
-            f"available steps: {self.all_steps()}."
-        )
 
     def _restore_step(self, target: T, step: Any, options: dict[str, Any]) -> T:
         """The checkpoint of `step` (None: the latest) restored, as `restore_checkpoint`
@@ -553,29 +479,21 @@ class CheckpointManager:
         return restored
 
     def _restore_best(self, target: T, options: dict[str, Any]) -> T:
-        metric, mode = self._options.best_metric, self._options.mode
+        metric = self._options.best_metric
         if not metric:
             raise ValueError(
                 "CheckpointManager.restore(step='best') needs best_metric, the metric that "
                 "ranks checkpoints: CheckpointManager(directory, best_metric='val_loss') "
                 "(and mode='max' when higher is better)."
             )
-        for attempt in range(RESTORE_ATTEMPTS):
-            best = self._ranking.best(
-                self._listing, metric=metric, mode=mode, attempts=RESTORE_ATTEMPTS
-            )
-            if best is None:
-                raise StepNotFoundError(
-                    f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
-                    f"usable '{metric}' metric."
-                )
-            try:
-                return restore_entry(self._store, best, target, **options)
-            except FileNotFoundError:
-                # The trainer's retention removed it (a better one arrived): rank again.
-                if attempt + 1 == RESTORE_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._ranking.restore_best(
+            self._listing,
+            lambda entry: restore_entry(self._store, entry, target, **options),
+            directory=self.directory,
+            metric=metric,
+            mode=self._options.mode,
+            attempts=RESTORE_ATTEMPTS,
+        )
 
     def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
         return _retention.to_delete(entries, self._options.retention, self._ranking)

@@ -1,5 +1,6 @@
-"""What a `CheckpointManager` keeps and ranks by: the metrics it stores in each file, the
-reading of them (`Ranking`), and applying a retention policy to a directory's listing."""
+"""What a `CheckpointManager` reads of its directory and keeps: the metrics it stores in
+each file, the reading and ranking of them (`Ranking`), applying a retention policy to a
+listing, and the manager's reading half (`ManagedDirectory`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from jax.typing import ArrayLike
@@ -18,16 +19,26 @@ from jax.typing import ArrayLike
 from .._errors import (
     UNREADABLE_ERRNOS,
     NewerFormatError,
+    StepNotFoundError,
     UnreadableCheckpointWarning,
     call,
+    calling,
     in_context,
     outside_stacklevel,
 )
 from ..format import _format, _names
-from ..format._names import METRICS_KEY as _METRICS_KEY
+from ..format._names import (
+    METRICS_KEY as _METRICS_KEY,
+    USER_METADATA_KEY as _USER_METADATA_KEY,
+)
 from ..pipeline import _directory
+from ..pipeline._snapshot import SnapshotMode
 from ..storage import _storage
+from ._options import ManagerOptions, Option as _Option
 from ._retention_policy import Mode, RetentionContext, RetentionPolicy
+from ._save_policy import SavePolicy
+
+T = TypeVar("T")
 
 # What `metrics_of` read: (the metrics saved with a checkpoint or None, why they could not
 # be read or None).
@@ -143,6 +154,34 @@ class Ranking:
             return ranked[0] if ranked else None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def restore_best(
+        self,
+        list_checkpoints: Callable[[], list[_directory.Entry]],
+        restore: Callable[[_directory.Entry], T],
+        *,
+        directory: str,
+        metric: str,
+        mode: Mode,
+        attempts: int,
+    ) -> T:
+        """What `restore(entry)` returns for the best checkpoint by `metric` of `directory`
+        (listed by `list_checkpoints`); ranked again
+        (up to `attempts` times) when retention removed it meanwhile (a better one arrived).
+        Raises `StepNotFoundError` when no checkpoint has a usable `metric`."""
+        for attempt in range(attempts):
+            best = self.best(list_checkpoints, metric=metric, mode=mode, attempts=attempts)
+            if best is None:
+                raise StepNotFoundError(
+                    f"{call('CheckpointManager.restore')}: no checkpoint in {directory} has "
+                    f"a usable '{metric}' metric."
+                )
+            try:
+                return restore(best)
+            except FileNotFoundError:
+                if attempt + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
 
 def rank(
     entries: list[_directory.Entry], read: list[Read], metric: str, mode: Mode
@@ -201,3 +240,78 @@ def encode_metadata(metadata: Mapping[str, Any] | None) -> str:
         raise TypeError(
             f"{call('CheckpointManager.save')}: metadata must be JSON-serialisable ({error})."
         ) from None
+
+
+class ManagedDirectory:
+    """The reading half of `CheckpointManager`: what is in its directory. Set up by the
+    manager's constructor."""
+
+    directory: str
+    _store: _storage.Storage
+    _options: ManagerOptions
+    _ranking: Ranking
+    # How often a listing is read again when a checkpoint vanished while being read.
+    _attempts: int
+
+    prefix = _Option[str]()
+    retention = _Option[RetentionPolicy]()
+    save_policy = _Option[SavePolicy]()
+    keep_latest = _Option[int | None]()
+    keep_best = _Option[int | None]()
+    best_metric = _Option[str | None]()
+    mode = _Option[Literal["min", "max"]]()
+    keep_every_n_steps = _Option[int | float | None]()
+    save_interval_steps = _Option[int | None]()
+    save_interval_seconds = _Option[int | float | None]()
+    snapshot = _Option[SnapshotMode]()
+    host_window_bytes = _Option[int]()
+    timeout_s = _Option[int | float]()
+    handle_sigterm = _Option[bool]()
+    replica_parallel = _Option[bool]()
+    storage_options = _Option[Mapping[str, Any] | None]()
+
+    def all_steps(self) -> list[int | float]:
+        """Steps of the checkpoints in the directory, oldest first."""
+        return list({e.value: e.step for e in self._listing()}.values())
+
+    def latest_step(self) -> int | float | None:
+        """The newest step, or None when there is no checkpoint."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | float | None:
+        """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
+        metric = self._options.best_metric
+        if not metric:
+            raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
+        with calling("CheckpointManager.best_step"):
+            best = self._ranking.best(
+                self._listing, metric=metric, mode=self._options.mode, attempts=self._attempts
+            )
+        return None if best is None else best.step
+
+    def metrics(self, step: _names.Step) -> dict[str, float] | None:
+        """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
+        raw = metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
+        return None if raw is None else json.loads(raw)
+
+    def metadata(self, step: _names.Step) -> dict[str, Any] | None:
+        """The user metadata saved with `step` (None if none). Reads no tensor data."""
+        raw = metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
+        return None if raw is None else json.loads(raw)
+
+    def _latest(self) -> Decimal | None:
+        listing = self._listing()
+        return listing[-1].value if listing else None
+
+    def _listing(self) -> list[_directory.Entry]:
+        return _directory.list_checkpoints(self._store, self.directory, self._options.prefix)
+
+    def _entry(self, step: _names.Step) -> _directory.Entry:
+        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
+        if found is not None:
+            return found
+        raise StepNotFoundError(
+            f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
+            f"available steps: {self.all_steps()}."
+        )
