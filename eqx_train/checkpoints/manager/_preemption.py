@@ -109,7 +109,7 @@ class SaveSchedule:
             self.latest_saved, self.latest_known = latest(), True
         if self.latest_saved is not None and value <= self.latest_saved:
             return False, preempted  # never a step already saved, whatever the policy
-        context = SaveContext(value, now - self.last_save_began, preempted)
+        context = SaveContext(value, float(now - self.last_save_began), preempted)
         return bool(self.policy.should_save(context)), preempted
 
     def listen(self, *, multiprocess: bool) -> None:
