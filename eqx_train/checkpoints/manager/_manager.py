@@ -149,17 +149,13 @@ class CheckpointManager(ManagedDirectory):
 
     **Preemption:** with `handle_sigterm=True` (the default), the first `should_save` call
     made on the main thread of a single-process job registers the manager with the
-    library's SIGTERM handler (installed by the first such manager). The handler only
-    records the signal in every live registered manager (and calls the handler that was
-    installed before it, if that was a Python function); the next `should_save` answers
-    yes, the loop saves and sees `preempted`, and exits cleanly instead of being killed
-    mid-step. `close()` (or leaving the `with` block) unregisters the manager, and the
-    last one to close puts the previous handler back, whatever order several managers are
-    closed in. A manager whose `should_save` is never
-    called never touches signals, so SIGTERM keeps its usual meaning for code that calls
-    `save` by hand. In a multi-process job no handler is installed: JAX's preemption
-    service (started by `jax.distributed.initialize`) listens for the signal itself, and
-    `should_save` consults its sync point instead.
+    library's SIGTERM handler, which only records the signal (and calls the handler that
+    was there before, if a Python function); the next `should_save` answers yes, the loop
+    saves, sees `preempted` and exits cleanly. `close()` unregisters the manager; the last
+    one closed puts the previous handler back. A manager whose `should_save` is never
+    called never touches signals. In a multi-process job JAX's preemption service listens
+    instead, and `should_save` consults its sync point. See
+    [Cloud storage and preemption](../cloud_storage.md#preemption).
     """
 
     def __init__(
@@ -185,7 +181,9 @@ class CheckpointManager(ManagedDirectory):
         replica_parallel: bool = True,
     ):
         with calling("CheckpointManager"):
-            options = manager_options(**{k: v for k, v in locals().items() if k != "self"})
+            # Every keyword argument, checked once into one frozen object.
+            given = {k: v for k, v in locals().items() if k not in ("self", "directory")}
+            options = manager_options(**given)
             self._options = options
             self._attempts = RESTORE_ATTEMPTS
             self._store, self.directory = _locations.resolve(
