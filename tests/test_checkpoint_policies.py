@@ -35,9 +35,10 @@ def _context(steps, metrics=None, asked=None):
     def rank(metric, mode):
         if asked is not None:
             asked.append(metric)
-        usable = [s for s in steps if metrics and metrics.get(int(s)) is not None]
+        values = metrics or {}
+        usable = [s for s in steps if values.get(int(s)) is not None]
         sign = 1 if mode == "min" else -1
-        return sorted(usable, key=lambda s: (sign * metrics[int(s)], -s))
+        return sorted(usable, key=lambda s: (sign * values[int(s)], -s))
 
     return RetentionContext(steps, rank)
 
@@ -98,11 +99,11 @@ def test_a_user_policy_is_any_object_with_keep():
         (lambda: KeepLatest(True), r"KeepLatest: n must be an int >= 1, got True"),
         (lambda: KeepBest(0, "loss"), r"KeepBest: n must be an int >= 1, got 0"),
         (lambda: KeepBest(1, ""), r"KeepBest: metric must be the non-empty name .* got ''"),
-        (lambda: KeepBest(1, "loss", "lowest"), r"KeepBest: mode must be 'min' or 'max'"),
+        (lambda: KeepBest(1, "loss", "lowest"), r"KeepBest: mode must be 'min' or 'max'"),  # type: ignore[arg-type]
         (lambda: KeepEveryNSteps(0), r"KeepEveryNSteps: n must be a positive number, got 0"),
         (lambda: KeepAny(), r"KeepAny: give at least one retention policy"),
         (lambda: SaveEveryNSteps(0), r"SaveEveryNSteps: n must be an int >= 1 .* got 0"),
-        (lambda: SaveEveryNSteps(2.0), r"SaveEveryNSteps: n must be an int >= 1 .* got 2\.0"),
+        (lambda: SaveEveryNSteps(2.0), r"SaveEveryNSteps: n must be an int >= 1 .* got 2\.0"),  # type: ignore[arg-type]
         (lambda: SaveEveryNSeconds(float("inf")), r"SaveEveryNSeconds: seconds .* got inf"),
         (lambda: SaveEveryNSeconds(-1), r"SaveEveryNSeconds: seconds .* got -1"),
         (lambda: SaveAny(), r"SaveAny: give at least one save policy"),
@@ -115,9 +116,9 @@ def test_policies_are_validated_when_built(build, message, without_type_checks):
 
 def test_a_combination_refuses_a_member_that_is_not_a_policy(without_type_checks):
     with pytest.raises(TypeError, match="KeepAny: every member must be a retention policy"):
-        KeepAny(KeepLatest(1), 3)
+        KeepAny(KeepLatest(1), 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="SaveAny: every member must be a save policy"):
-        SaveAny(SaveOnPreemption(), KeepLatest(1))
+        SaveAny(SaveOnPreemption(), KeepLatest(1))  # type: ignore[arg-type]
 
 
 def test_policies_are_frozen():

@@ -13,6 +13,7 @@ from eqx_train.checkpoints import (
     KeepEveryNSteps,
     KeepLatest,
     RetentionContext,
+    RetentionPolicy,
 )
 
 metric = st.one_of(st.none(), st.just(float("nan")), st.floats(-5, 5, allow_nan=False))
@@ -58,7 +59,7 @@ def test_keep_any_is_the_union_of_its_members(history, latest, every, best, mode
         step += gap
         steps.append(Decimal(step))
         metrics[Decimal(step)] = value
-    members = [KeepLatest(latest)]
+    members: list[RetentionPolicy] = [KeepLatest(latest)]
     expected = _latest(steps, latest)
     if every is not None:
         members.append(KeepEveryNSteps(every))
