@@ -12,7 +12,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
-from eqx_train.checkpoints.manager import _fallback
+from eqx_train.checkpoints.manager import _manager
 from eqx_train.checkpoints.storage import _local
 from tests.helpers import flip_last_byte
 
@@ -82,7 +82,7 @@ def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
     newest = tmp_path / f"checkpoint_7{suffix}"
     pieces = [p for p in newest.glob("*.safetensors") if p.name != "index.safetensors"]
     flip_last_byte(pieces[0] if sharded else newest)
-    real_restore = _fallback.restore_entry
+    real_restore = _manager.restore_entry
 
     def restore_entry(store, entry, target, **options):
         if entry.step == 6:  # B has skipped step 7: A acts now
@@ -90,12 +90,12 @@ def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
             save(tmp_path, _state(70), 7, keep=3)
         return real_restore(store, entry, target, **options)
 
-    monkeypatch.setattr(_fallback, "restore_entry", restore_entry)
+    monkeypatch.setattr(_manager, "restore_entry", restore_entry)
     b = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)
     with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="replaced") as caught:
         b.restore(_state(0))
     assert str(newest) in str(caught[0].message)
-    monkeypatch.setattr(_fallback, "restore_entry", real_restore)
+    monkeypatch.setattr(_manager, "restore_entry", real_restore)
     assert b.all_steps() == [6, 7]
     np.testing.assert_array_equal(b.restore(_state(0))["w"], np.full(4, 70.0))
 

@@ -14,17 +14,35 @@ if TYPE_CHECKING:
         save_checkpoint_multiprocess as save_checkpoint_multiprocess,
     )
     from ._errors import (
+        BarrierTimeoutError as BarrierTimeoutError,
         CheckpointFormatError as CheckpointFormatError,
+        ConfigMismatchWarning as ConfigMismatchWarning,
         NewerFormatError as NewerFormatError,
+        PartialRestoreWarning as PartialRestoreWarning,
+        StepExistsError as StepExistsError,
+        StepNotFoundError as StepNotFoundError,
+        UnreadableCheckpointWarning as UnreadableCheckpointWarning,
     )
     from ._plan import RestorePlan as RestorePlan, plan_restore as plan_restore
     from .format._legacy import convert_pre_linen as convert_pre_linen
-    from .manager._fallback import UnreadableCheckpointWarning as UnreadableCheckpointWarning
     from .manager._manager import CheckpointManager as CheckpointManager
+    from .manager._retention_policy import (
+        KeepAny as KeepAny,
+        KeepBest as KeepBest,
+        KeepEveryNSteps as KeepEveryNSteps,
+        KeepLatest as KeepLatest,
+        RetentionContext as RetentionContext,
+        RetentionPolicy as RetentionPolicy,
+    )
+    from .manager._save_policy import (
+        SaveAny as SaveAny,
+        SaveContext as SaveContext,
+        SaveEveryNSeconds as SaveEveryNSeconds,
+        SaveEveryNSteps as SaveEveryNSteps,
+        SaveOnPreemption as SaveOnPreemption,
+        SavePolicy as SavePolicy,
+    )
     from .pipeline._async import AsyncManager as AsyncManager
-    from .pipeline._matching import PartialRestoreWarning as PartialRestoreWarning
-    from .pipeline._multiprocess import BarrierTimeoutError as BarrierTimeoutError
-    from .pipeline._selection import ConfigMismatchWarning as ConfigMismatchWarning
     from .storage import register_storage as register_storage
 
 # Loaded on first use, so that `python -m eqx_train` starts without importing JAX.
@@ -32,14 +50,28 @@ __getattr__, __dir__ = exports(
     __name__,
     {
         "AsyncManager": "pipeline._async",
-        "BarrierTimeoutError": "pipeline._multiprocess",
+        "BarrierTimeoutError": "_errors",
         "CheckpointFormatError": "_errors",
         "CheckpointManager": "manager._manager",
-        "ConfigMismatchWarning": "pipeline._selection",
+        "ConfigMismatchWarning": "_errors",
+        "KeepAny": "manager._retention_policy",
+        "KeepBest": "manager._retention_policy",
+        "KeepEveryNSteps": "manager._retention_policy",
+        "KeepLatest": "manager._retention_policy",
         "NewerFormatError": "_errors",
-        "PartialRestoreWarning": "pipeline._matching",
+        "PartialRestoreWarning": "_errors",
         "RestorePlan": "_plan",
-        "UnreadableCheckpointWarning": "manager._fallback",
+        "RetentionContext": "manager._retention_policy",
+        "RetentionPolicy": "manager._retention_policy",
+        "SaveAny": "manager._save_policy",
+        "SaveContext": "manager._save_policy",
+        "SaveEveryNSeconds": "manager._save_policy",
+        "SaveEveryNSteps": "manager._save_policy",
+        "SaveOnPreemption": "manager._save_policy",
+        "SavePolicy": "manager._save_policy",
+        "StepExistsError": "_errors",
+        "StepNotFoundError": "_errors",
+        "UnreadableCheckpointWarning": "_errors",
         "available_steps": "_api",
         "convert_pre_linen": "format._legacy",
         "latest_checkpoint": "_api",
@@ -57,9 +89,23 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointManager",
     "ConfigMismatchWarning",
+    "KeepAny",
+    "KeepBest",
+    "KeepEveryNSteps",
+    "KeepLatest",
     "NewerFormatError",
     "PartialRestoreWarning",
     "RestorePlan",
+    "RetentionContext",
+    "RetentionPolicy",
+    "SaveAny",
+    "SaveContext",
+    "SaveEveryNSeconds",
+    "SaveEveryNSteps",
+    "SaveOnPreemption",
+    "SavePolicy",
+    "StepExistsError",
+    "StepNotFoundError",
     "available_steps",
     "convert_pre_linen",
     "latest_checkpoint",

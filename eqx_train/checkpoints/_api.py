@@ -16,6 +16,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
+from ._errors import StepExistsError
 from .format import _description, _format, _names
 from .pipeline import (
     _directory,
@@ -286,7 +287,7 @@ def save_pipeline(
                     replace=overwrite,
                 )
             except FileExistsError:
-                raise ValueError(
+                raise StepExistsError(
                     f"{caller}: a checkpoint at step {step_text} appeared in {ckpt_dir} while "
                     "this save was writing (a concurrent save); it was kept. Pass "
                     "overwrite=True to replace it."

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import StepNotFoundError
 from .format import _layouts, _names
 from .pipeline import _matching, _restore, _selection, _transform
 from .storage import _locations
@@ -136,7 +137,7 @@ def plan_restore(
     try:
         entry, _ = _restore._resolve(store, where, step, prefix)
         if entry is None:
-            raise FileNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
+            raise StepNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
         call, reader = "restore_checkpoint", _restore.open_reader(store, entry)
     except _layouts.ForeignCheckpointError as error:
         foreign = _layouts.foreign_reader(error.kind, error.path, prefix)

@@ -19,7 +19,13 @@ import os
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-from .._errors import CheckpointFormatError, short
+from .._errors import (
+    TORCH_HOW as _TORCH_HOW,
+    CheckpointFormatError,
+    Foreign as Foreign,
+    ForeignCheckpointError as ForeignCheckpointError,
+    short,
+)
 from ..storage import LocalStorage, Storage
 from ..storage._urls import is_url
 from . import _names
@@ -28,28 +34,12 @@ from ._hf_layout import IndexReader
 from ._shards import ShardedReader
 
 Layout = Literal["file", "shards", "hf", "directory"]
-Foreign = Literal["flax", "orbax", "torch", "hf-index", "json", "safetensors"]
 
 _SNIFF_BYTES = 16
 _INDEX_SUFFIX = ".index.json"
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 _MSGPACK_SUFFIX = ".msgpack"
 _ORBAX_MARKERS = ("_METADATA", "manifest.ocdbt", "checkpoint")
-_TORCH_HOW = (
-    "load it with torch.load(path, weights_only=True) and pass the state dict to "
-    "eqx_train.interop.from_state_dict(target, state_dict)"
-)
-_HOW: dict[str, str] = {
-    "flax": (
-        "read it with eqx_train.interop.load_flax_checkpoint (it takes the same target, "
-        "strict, rename, casting and filter_spec), or convert it with `eqx-train convert-flax`"
-    ),
-    "orbax": (
-        "read it with eqx_train.interop.load_orbax_checkpoint (it takes the same target, "
-        "strict, rename, casting and filter_spec), or convert it with `eqx-train convert-orbax`"
-    ),
-    "torch": _TORCH_HOW,
-}
 
 
 class Location(NamedTuple):
@@ -58,19 +48,6 @@ class Location(NamedTuple):
 
     path: str
     layout: Layout
-
-
-class ForeignCheckpointError(CheckpointFormatError):
-    """`path` holds weights that this call does not read (`kind`: flax msgpack, Orbax, a
-    PyTorch pickle...); the message names the call that reads them."""
-
-    def __init__(self, path: str, kind: Foreign, what: str, how: str = ""):
-        self.path, self.kind, self.what = path, kind, what
-        how = how or _HOW.get(kind, "")
-        super().__init__(
-            f"{path} is {what}, not an eqx_train or safetensors checkpoint"
-            + (f": {how}." if how else ".")
-        )
 
 
 _LOCAL = LocalStorage()

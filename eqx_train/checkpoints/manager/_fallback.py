@@ -5,56 +5,45 @@ the processes of a multi-process job skip the same ones."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 
-from .. import _errors
+from .._errors import (
+    UNREADABLE_ERRNOS,
+    CheckpointFormatError,
+    NewerFormatError,
+    UnreadableCheckpointWarning,
+    call,
+    outside_stacklevel,
+)
 from ..format import _names
 from ..pipeline import _coordination, _directory
-from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
 from ..storage import Storage
 
 T = TypeVar("T")
-
-# What a local read error says when the checkpoint's own bytes are unreadable: a failing
-# disk (EIO), or a file system that found them corrupt (Linux's EFSBADCRC and EFSCORRUPTED
-# are EBADMSG and EUCLEAN). Any other OSError (too many open files, no memory, a permission,
-# an interrupted call) is about the process or the machine, not the checkpoint: falling back
-# would restore an older step and move a good newest checkpoint aside, and retention
-# (`_retention.metric_of`) would count the best checkpoint as having no metric and delete it.
-UNREADABLE_ERRNOS = frozenset(
-    getattr(errno, name) for name in ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name)
-)
-
-
-class UnreadableCheckpointWarning(UserWarning):
-    """A checkpoint in a manager's directory could not be read: while ranking by metric it
-    counts as having no metric (it is kept only as one of the latest); when
-    `CheckpointManager.restore` finds the latest corrupt, it restores the newest older one
-    that verifies instead, moves each one skipped aside (to `corrupt-<its name>`, which no
-    listing counts), and this warning names each one skipped and where it went."""
 
 
 def restore_latest_that_verifies(
     store: Storage,
     directory: str,
     list_checkpoints: Callable[[], list[_directory.Entry]],
+    restore: Callable[[_directory.Entry], T],
     target: T,
-    options: dict[str, Any],
     *,
     timeout_s: int | float,
+    attempts: int,
 ) -> T:
-    """`target` restored from the newest checkpoint in `directory` that restores without a
-    `CheckpointFormatError` (`options` as for `restore_entry`), warning for each one
-    skipped; `list_checkpoints` lists the directory again when a checkpoint vanishes
-    (retention). The processes of a multi-process job decide together, each waiting at
-    most `timeout_s` for the others."""
-    caller = "CheckpointManager.restore"
+    """What `restore(entry)` returns for the newest checkpoint in `directory` that
+    restores without a `CheckpointFormatError`, warning for each one skipped; `target`
+    when there is none. `list_checkpoints` lists the directory again (up to `attempts`
+    times) when a checkpoint vanishes (retention). The processes of a multi-process job
+    decide together, each waiting at most `timeout_s` for the others."""
+    who = call("CheckpointManager.restore")
     skipped: dict[str, Exception] = {}
     tried: dict[str, tuple[_directory.Entry, Any]] = {}
     multiprocess = jax.process_count() > 1
@@ -65,17 +54,17 @@ def restore_latest_that_verifies(
         if not candidates:
             if skipped:
                 listed = "; ".join(f"{p}: {e}" for p, e in skipped.items())
-                raise _errors.CheckpointFormatError(
-                    f"{caller}: no checkpoint in {directory} verifies: {listed}"
+                raise CheckpointFormatError(
+                    f"{who}: no checkpoint in {directory} verifies: {listed}"
                 )
             return target
         entry = candidates[0]
         outcome, restored, failure = "ok", target, None
         try:
-            restored = restore_entry(store, entry, target, **options)
-        except _errors.NewerFormatError:
+            restored = restore(entry)
+        except NewerFormatError:
             raise  # not corrupt: never skipped, and never moved aside
-        except _errors.CheckpointFormatError as error:
+        except CheckpointFormatError as error:
             skipped[entry.path] = error
             outcome = f"corrupt: {error}"
         except FileNotFoundError:
@@ -98,55 +87,71 @@ def restore_latest_that_verifies(
         # The version found unreadable: only that one may be moved aside later.
         tried[entry.path] = (entry, _version(store, entry) if entry.path in skipped else None)
         if multiprocess:
-            # Each process reads only its devices' pieces: a corruption one of them
-            # sees must make every one skip that checkpoint.
-            seen = _coordination.gather(
-                _coordination.next_id("restore_fallback"),
-                json.dumps([entry.path, outcome]),
-                timeout_s=timeout_s,
-                caller=caller,
-            )
-            reports = [json.loads(r) for r in seen]
-            failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
-            if failure is not None:
-                raise failure
-            if failed:
-                raise RuntimeError(
-                    f"{caller}: process {failed[0][0]} could not restore {entry.path} "
-                    f"({failed[0][1].removeprefix('failed: ')})."
-                )
-            if any(path != entry.path or o == "gone" for path, o in reports):
-                outcome = "gone"  # listings differ, or one raced retention: list again
-                # Skipped only when all agree it is corrupt, so that every process's next
-                # candidate stays the same.
-                skipped.pop(entry.path, None)
-            else:
-                bad = [o for _, o in reports if o != "ok"]
-                if bad and outcome == "ok":
-                    tried[entry.path] = (entry, _version(store, entry))
-                    outcome = bad[0]
-                    skipped[entry.path] = _errors.CheckpointFormatError(
-                        f"{entry.path}: another process found it {bad[0]}"
-                    )
+            outcome = _agree(store, entry, outcome, failure, skipped, tried, timeout_s)
         if outcome == "ok":
             moved = _quarantine(store, directory, [tried[p] for p in skipped], timeout_s)
             for path, error in skipped.items():
                 warnings.warn(
-                    f"{caller}: skipped the corrupt checkpoint {path} ({error}); restored "
+                    f"{who}: skipped the corrupt checkpoint {path} ({error}); restored "
                     f"step {entry.text} from {entry.path} instead. {moved[path]} Pass "
                     "fallback=False to raise instead.",
                     UnreadableCheckpointWarning,
-                    stacklevel=3,
+                    stacklevel=outside_stacklevel(sys._getframe()),
                 )
             return restored
         if outcome == "gone":
             relists += 1
-            if relists == RESTORE_ATTEMPTS:
+            if relists == attempts:
                 raise FileNotFoundError(
-                    f"{caller}: the checkpoints of {directory} kept changing while "
+                    f"{who}: the checkpoints of {directory} kept changing while "
                     f"being restored ({entry.path} vanished)"
                 )
             listing = _directory.preferred(list_checkpoints())
+
+
+def _agree(
+    store: Storage,
+    entry: _directory.Entry,
+    outcome: str,
+    failure: Exception | None,
+    skipped: dict[str, Exception],
+    tried: dict[str, tuple[_directory.Entry, Any]],
+    timeout_s: int | float,
+) -> str:
+    """The outcome of restoring `entry` that every process of the job agrees on, from this
+    process's own (`outcome`, and the error it failed with, if any): each process reads
+    only its devices' pieces, so a corruption one of them sees makes every one skip that
+    checkpoint (`skipped`, `tried` updated to match); "gone" when the processes listed
+    different checkpoints or one raced retention. Raises when a process failed otherwise."""
+    who = call("CheckpointManager.restore")
+    seen = _coordination.gather(
+        _coordination.next_id("restore_fallback"),
+        json.dumps([entry.path, outcome]),
+        timeout_s=timeout_s,
+        caller=who,
+    )
+    reports = [json.loads(r) for r in seen]
+    failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(
+            f"{who}: process {failed[0][0]} could not restore {entry.path} "
+            f"({failed[0][1].removeprefix('failed: ')})."
+        )
+    if any(path != entry.path or o == "gone" for path, o in reports):
+        # Skipped only when all agree it is corrupt, so that every process's next
+        # candidate stays the same.
+        skipped.pop(entry.path, None)
+        return "gone"
+    bad = [o for _, o in reports if o != "ok"]
+    if bad and outcome == "ok":
+        tried[entry.path] = (entry, _version(store, entry))
+        skipped[entry.path] = CheckpointFormatError(
+            f"{entry.path}: another process found it {bad[0]}"
+        )
+        return bad[0]
+    return outcome
 
 
 def _version(store: Storage, entry: _directory.Entry) -> Any:
@@ -225,6 +230,6 @@ def _quarantine(
         _coordination.next_id("restore_quarantine"),
         move,
         timeout_s=timeout_s,
-        caller="CheckpointManager.restore",
+        caller=call("CheckpointManager.restore"),
     )
     return json.loads(str(said))

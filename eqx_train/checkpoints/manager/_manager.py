@@ -1,34 +1,38 @@
-"""`CheckpointManager`: keep the latest N and the best K by a metric, decide when to save
-(every N steps, every T seconds, on preemption), loud async errors."""
+"""`CheckpointManager`: saves into one directory, keeps what its retention policy keeps,
+says when to save by its save policy (every N steps, every T seconds, on preemption),
+raises the errors of background saves loudly."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import threading
 import time
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
 import jax
 from jax.typing import ArrayLike
 
-from .._api import restore_checkpoint, save_pipeline
+# The save pipeline's entry point: the one seam to the layer above the pipeline, until
+# the pipeline holds it.
+from .._api import save_pipeline
+from .._errors import calling, in_context
 from ..format import _names
 from ..format._names import (
     METRICS_KEY as _METRICS_KEY,
     USER_METADATA_KEY as _USER_METADATA_KEY,
 )
-from ..pipeline import _coordination, _directory, _matching, _selection, _snapshot, _transform
+from ..pipeline import _coordination, _directory, _matching, _restore, _transform
 from ..pipeline._async import AsyncManager
 from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
 from ..pipeline._snapshot import SnapshotMode
 from ..pipeline._window import DEFAULT_HOST_WINDOW_BYTES
 from ..storage import _locations
 from . import _preemption, _retention
+from ._checks import manager_options, restore_options
 from ._fallback import restore_latest_that_verifies
+from ._retention import ManagedDirectory
+from ._retention_policy import RetentionPolicy
+from ._save_policy import SavePolicy
 
 T = TypeVar("T")
 
@@ -38,16 +42,24 @@ T = TypeVar("T")
 _clock = time.monotonic
 
 
-class CheckpointManager:
+class CheckpointManager(ManagedDirectory):
     """Saves checkpoints into one directory and decides which to keep.
 
-    Retention is the union of three policies, applied after each save is durable:
+    Which checkpoints to keep is a retention policy, applied after each save is durable;
+    when to save (`should_save`) is a save policy. Both are small objects that compose
+    (see [Checkpointing recipes](../checkpointing_recipes.md#retention-and-save-policies)),
+    given as `retention=` and `save_policy=`, or described by the shorthands below. By
+    default (or with the shorthands) retention is the union of three rules:
 
-    - the newest `keep_latest` checkpoints are always kept, so resuming always works;
+    - the newest `keep_latest` checkpoints are always kept, so resuming always works
+      (`KeepLatest`);
     - the best `keep_best` by `metrics[best_metric]` (lowest for `mode="min"`, highest for
-      `"max"`; a NaN or missing metric never counts; ties go to the newer step);
+      `"max"`; a NaN or missing metric never counts; ties go to the newer step)
+      (`KeepBest`);
     - flax's `keep_every_n_steps` rule over the checkpoints older than the newest
-      `keep_latest`.
+      `keep_latest` (`KeepEveryNSteps`).
+
+    Whatever the policy, the checkpoint a save just wrote is never deleted by it.
 
     Metrics and a user `metadata` dict live inside each checkpoint file (its safetensors
     metadata), so the directory has no side files to lose or get out of sync, and a new
@@ -57,12 +69,25 @@ class CheckpointManager:
 
     - `directory`: where the checkpoints go (created if missing): a local path or an
       object-store URL (`s3://bucket/run`, `gs://bucket/run`, `memory://run`).
-    - `keep_latest`: newest checkpoints to keep (>= 1).
-    - `keep_best`: best checkpoints to keep by `best_metric` (0 for none).
+    - `retention`: a retention policy (`KeepLatest`, `KeepBest`, `KeepEveryNSteps`,
+      `KeepAny`, or your own object with a `keep(context)` method); `None` for the one
+      the shorthands describe. Refused together with `keep_latest`, `keep_best` or
+      `keep_every_n_steps`.
+    - `keep_latest`: newest checkpoints to keep (>= 1; `None`: 1). Shorthand for
+      `KeepLatest(keep_latest)`.
+    - `keep_best`: best checkpoints to keep by `best_metric` (`None` or 0 for none).
+      Shorthand for `KeepBest(keep_best, best_metric, mode)`.
     - `best_metric`: the name of the metric that ranks checkpoints; required if
-      `keep_best > 0` or to `restore(..., step="best")`.
+      `keep_best > 0` or to `restore(..., step="best")`. With `retention=`, `None` takes
+      the metric and mode of the policy's `KeepBest` members, if they rank by one.
     - `mode`: `"min"` or `"max"`.
-    - `keep_every_n_steps`: see above; `None` for none.
+    - `keep_every_n_steps`: see above; `None` for none. Shorthand for
+      `KeepEveryNSteps(keep_every_n_steps)`.
+    - `save_policy`: when `should_save` says yes: a save policy (`SaveEveryNSteps`,
+      `SaveEveryNSeconds`, `SaveOnPreemption`, `SaveAny`, or your own object with a
+      `should_save(context)` method); `None` for the one the shorthands describe (on a
+      preemption, and at the intervals given). Refused together with
+      `save_interval_steps` or `save_interval_seconds`.
     - `prefix`: file name prefix, as for `save_checkpoint`.
     - `async_save`: write in a background thread (one save in flight). The state is
       snapshotted at `save`; an error in the background is raised by the next `save`,
@@ -73,10 +98,12 @@ class CheckpointManager:
       once (at least one leaf), as for `save_checkpoint` and `restore_checkpoint`.
     - `timeout_s`: in a multi-process job, how long to wait for the other processes.
     - `save_interval_steps`: `should_save(step)` says yes when `step` is a multiple of
-      this (an int >= 1); `None` for no step interval.
+      this (an int >= 1); `None` for no step interval. Shorthand for
+      `SaveAny(SaveOnPreemption(), SaveEveryNSteps(save_interval_steps))`.
     - `save_interval_seconds`: `should_save` says yes once this many seconds (a finite
       number > 0) have passed since the last save through this manager began, or since
-      the manager was created; `None` for no time interval.
+      the manager was created; `None` for no time interval. Shorthand for
+      `SaveEveryNSeconds(save_interval_seconds)`, with `SaveOnPreemption()`.
     - `replica_parallel`: in a multi-process job, split the writing of replicated blocks
       between the processes holding them and read them once across the job on restore
       (default), as `save_checkpoint_multiprocess` and `restore_checkpoint` do with it;
@@ -122,25 +149,22 @@ class CheckpointManager:
 
     **Preemption:** with `handle_sigterm=True` (the default), the first `should_save` call
     made on the main thread of a single-process job registers the manager with the
-    library's SIGTERM handler (installed by the first such manager). The handler only
-    records the signal in every live registered manager (and calls the handler that was
-    installed before it, if that was a Python function); the next `should_save` answers
-    yes, the loop saves and sees `preempted`, and exits cleanly instead of being killed
-    mid-step. `close()` (or leaving the `with` block) unregisters the manager, and the
-    last one to close puts the previous handler back, whatever order several managers are
-    closed in. A manager whose `should_save` is never
-    called never touches signals, so SIGTERM keeps its usual meaning for code that calls
-    `save` by hand. In a multi-process job no handler is installed: JAX's preemption
-    service (started by `jax.distributed.initialize`) listens for the signal itself, and
-    `should_save` consults its sync point instead.
+    library's SIGTERM handler, which only records the signal (and calls the handler that
+    was there before, if a Python function); the next `should_save` answers yes, the loop
+    saves, sees `preempted` and exits cleanly. `close()` unregisters the manager; the last
+    one closed puts the previous handler back. A manager whose `should_save` is never
+    called never touches signals. In a multi-process job JAX's preemption service listens
+    instead, and `should_save` consults its sync point. See
+    [Cloud storage and preemption](../cloud_storage.md#preemption).
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
-        keep_latest: int = 1,
-        keep_best: int = 0,
+        retention: RetentionPolicy | None = None,
+        keep_latest: int | None = None,
+        keep_best: int | None = None,
         best_metric: str | None = None,
         mode: Literal["min", "max"] = "min",
         keep_every_n_steps: int | float | None = None,
@@ -149,71 +173,28 @@ class CheckpointManager:
         snapshot: SnapshotMode = "auto",
         host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
         timeout_s: int | float = 300.0,
+        save_policy: SavePolicy | None = None,
         save_interval_steps: int | None = None,
         save_interval_seconds: int | float | None = None,
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         replica_parallel: bool = True,
     ):
-        _retention.check_policy(keep_latest, keep_best, best_metric, mode, keep_every_n_steps)
-        if not prefix:
-            raise ValueError("CheckpointManager: prefix must be a non-empty file name prefix.")
-        _names.check_prefix(prefix, "CheckpointManager")
-        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
-            raise ValueError(f"CheckpointManager: timeout_s must be > 0, got {timeout_s!r}.")
-        if save_interval_steps is not None and (
-            isinstance(save_interval_steps, bool)
-            or not isinstance(save_interval_steps, int)
-            or save_interval_steps < 1
-        ):
-            raise ValueError(
-                "CheckpointManager: save_interval_steps must be an int >= 1 (save at every "
-                f"multiple of it) or None, got {save_interval_steps!r}."
+        with calling("CheckpointManager"):
+            # Every keyword argument, checked once into one frozen object.
+            given = {k: v for k, v in locals().items() if k not in ("self", "directory")}
+            options = manager_options(**given)
+            self._options = options
+            self._attempts = RESTORE_ATTEMPTS
+            self._store, self.directory = _locations.resolve(
+                directory, storage_options, caller="CheckpointManager"
             )
-        if save_interval_seconds is not None and (
-            isinstance(save_interval_seconds, bool)
-            or not isinstance(save_interval_seconds, int | float)
-            or not math.isfinite(save_interval_seconds)
-            or save_interval_seconds <= 0
-        ):
-            raise ValueError(
-                "CheckpointManager: save_interval_seconds must be a finite number > 0 (the "
-                f"seconds between saves) or None, got {save_interval_seconds!r}."
-            )
-        _snapshot.check_options(snapshot, host_window_bytes, "CheckpointManager")
-        for flag, value in (
-            ("handle_sigterm", handle_sigterm),
-            ("replica_parallel", replica_parallel),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"CheckpointManager: {flag} must be True or False, got {value!r}.")
-        self._store, self.directory = _locations.resolve(
-            directory, storage_options, caller="CheckpointManager"
+            self._async = AsyncManager() if async_save else None
+            self._store.makedirs(self.directory)
+            _directory.remove_leftovers(self._store, self.directory, options.prefix)
+        self._schedule = _preemption.SaveSchedule(
+            options.save_policy, handle_sigterm=options.handle_sigterm, now=_clock()
         )
-        self.storage_options = storage_options
-        self.keep_latest = keep_latest
-        self.keep_best = keep_best
-        self.best_metric = best_metric
-        self.mode = mode
-        self.keep_every_n_steps = keep_every_n_steps
-        self.prefix = prefix
-        self.timeout_s = timeout_s
-        self.save_interval_steps = save_interval_steps
-        self.save_interval_seconds = save_interval_seconds
-        self.handle_sigterm = handle_sigterm
-        self.replica_parallel = replica_parallel
-        self.snapshot: SnapshotMode = snapshot
-        self.host_window_bytes = host_window_bytes
-        self._async = AsyncManager() if async_save else None
-        self._store.makedirs(self.directory)
-        _directory.remove_leftovers(self._store, self.directory, self.prefix)
-        # The save policy's state. Only process 0's copy decides (`_coordination.decide`).
-        self._last_save_began = _clock()
-        self._latest_saved: Decimal | None = None  # read from the directory on first use
-        self._latest_known = False
-        self._sigterm_received = False
-        self._preempted = False
-        self._listens = False  # registered with the library's SIGTERM handler
         self._ranking = _retention.Ranking(self._store)
 
     # ------------------------------------------------------------------ saving
@@ -241,7 +222,9 @@ class CheckpointManager:
         - `filter_spec`: save only the leaves it selects, as for `save_checkpoint`
           (`eqx.is_array`: the arrays, no Python configuration).
 
-        Raises the error of a failed previous background save, if any.
+        Raises the error of a failed previous background save, if any, and
+        `StepExistsError` (a `ValueError` and a `FileExistsError`) when `step` is not newer
+        than the latest checkpoint and `overwrite` is False.
         """
         began = _clock()
 
@@ -253,41 +236,41 @@ class CheckpointManager:
                 _USER_METADATA_KEY: _retention.encode_metadata(metadata),
             }
 
-        path = save_pipeline(
-            self.directory,
-            state,
-            step,
-            prefix=self.prefix,
-            overwrite=overwrite,
-            retention=self._to_delete,
-            async_manager=self._async,
-            caller="CheckpointManager.save",
-            extra_metadata=extra,
-            multiprocess=jax.process_count() > 1,
-            timeout_s=self.timeout_s,
-            snapshot=self.snapshot,
-            host_window_bytes=self.host_window_bytes,
-            storage_options=self.storage_options,
-            filter_spec=filter_spec,
-            replica_parallel=self.replica_parallel,
-        )
-        # A save succeeded, so `step` is now the newest checkpoint (an older step needs
-        # overwrite=True, which deletes the newer ones).
-        self._latest_saved = _names.check_step(step, "CheckpointManager.save")
-        self._latest_known = True
-        self._last_save_began = began
+        options = self._options
+        with calling("CheckpointManager.save"):
+            path = save_pipeline(
+                self.directory,
+                state,
+                step,
+                prefix=options.prefix,
+                overwrite=overwrite,
+                # Run after the commit, on the background thread of an async save.
+                retention=in_context(self._to_delete),
+                async_manager=self._async,
+                caller="CheckpointManager.save",
+                extra_metadata=extra,
+                multiprocess=jax.process_count() > 1,
+                timeout_s=options.timeout_s,
+                snapshot=options.snapshot,
+                host_window_bytes=options.host_window_bytes,
+                storage_options=options.storage_options,
+                filter_spec=filter_spec,
+                replica_parallel=options.replica_parallel,
+            )
+            self._schedule.saved(_names.check_step(step, "CheckpointManager.save"), began)
         return path
 
     def should_save(self, step: _names.Step) -> bool:
         """Whether to save at `step`: True when `step` is newer than every checkpoint
-        already in the directory or saved through this manager, and one of these holds:
+        already in the directory or saved through this manager, and the save policy says
+        so. The default policy says so when one of these holds:
 
         - `step` is a multiple of `save_interval_steps`;
         - `save_interval_seconds` have passed since the last save through this manager
           began (or since the manager was created);
         - a preemption was signalled: SIGTERM since the first `should_save` call (single
           process, `handle_sigterm=True`), or JAX's preemption sync point at this step
-          (multi-process). From then on `preempted` is True.
+          (multi-process). From then on `preempted` is True (whatever the policy).
 
         With neither interval set, only a preemption makes it True. It never saves by
         itself: call `save` when it says so, then leave the loop if `preempted`.
@@ -333,21 +316,26 @@ class CheckpointManager:
         the step interval (0 is a multiple of every interval), and a time-only policy first
         saves one interval after the manager was created.
         """
-        value = _names.check_step(step, "CheckpointManager.should_save")
-        self._install_sigterm_handler()
-        # Every process must reach JAX's sync point at every step, so each asks it here,
-        # before process 0 decides; the answer is the same on every process.
-        at_sync_point = value == value.to_integral_value() and _coordination.reached_preemption(
-            int(value)
-        )
-        decision = _coordination.decide(
-            _coordination.next_id("should_save"),
-            lambda: _preemption.DECISIONS[self._decide(value, at_sync_point)],
-            timeout_s=self.timeout_s,
-            caller="CheckpointManager.should_save",
-        )
+        with calling("CheckpointManager.should_save"):
+            value = _names.check_step(step, "CheckpointManager.should_save")
+            self._schedule.listen(multiprocess=jax.process_count() > 1)
+            # Every process must reach JAX's sync point at every step, so each asks it
+            # here, before process 0 decides; the answer is the same on every process.
+            at_sync_point = value == value.to_integral_value() and (
+                _coordination.reached_preemption(int(value))
+            )
+            decision = _coordination.decide(
+                _coordination.next_id("should_save"),
+                lambda: _preemption.DECISIONS[
+                    self._schedule.decide(
+                        value, at_sync_point=at_sync_point, now=_clock(), latest=self._latest
+                    )
+                ],
+                timeout_s=self._options.timeout_s,
+                caller="CheckpointManager.should_save",
+            )
         save, preempted = _preemption.DECISION_OF[str(decision)]
-        self._preempted = self._preempted or preempted
+        self._schedule.preempted = self._schedule.preempted or preempted
         return save
 
     @property
@@ -358,7 +346,7 @@ class CheckpointManager:
 
         It turns True only inside `should_save`, never in between, so a loop that checks it
         right after `should_save` cannot leave without the save it was told to make."""
-        return self._preempted
+        return self._schedule.preempted
 
     def wait(self) -> None:
         """Blocks until the background save (if any) is done; raises its error if it failed."""
@@ -371,7 +359,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._restore_sigterm_handler()
+            self._schedule.stop_listening()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -384,34 +372,6 @@ class CheckpointManager:
             self.close()
         except Exception as save_error:  # report both, without hiding the original error
             exc.add_note(f"Also, a background checkpoint save failed: {save_error!r}")
-
-    # ------------------------------------------------------------------ reading
-
-    def all_steps(self) -> list[int | float]:
-        """Steps of the checkpoints in the directory, oldest first."""
-        return list({e.value: e.step for e in self._listing()}.values())
-
-    def latest_step(self) -> int | float | None:
-        """The newest step, or None when there is no checkpoint."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
-
-    def best_step(self) -> int | float | None:
-        """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
-        if not self.best_metric:
-            raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
-        best = self._ranking.best(self._listing, best_metric=self.best_metric, mode=self.mode)
-        return None if best is None else best.step
-
-    def metrics(self, step: _names.Step) -> dict[str, float] | None:
-        """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
-        raw = _retention.metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
-        return None if raw is None else json.loads(raw)
-
-    def metadata(self, step: _names.Step) -> dict[str, Any] | None:
-        """The user metadata saved with `step` (None if none). Reads no tensor data."""
-        raw = _retention.metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
-        return None if raw is None else json.loads(raw)
 
     def restore(
         self,
@@ -457,8 +417,9 @@ class CheckpointManager:
 
         **Raises:**
 
-        `ValueError` when `step` is missing, when `"best"` finds no checkpoint with a
-        usable metric, or when the checkpoint does not match `target`;
+        `StepNotFoundError` (a `ValueError` and a `FileNotFoundError`) when `step` is
+        missing or `"best"` finds no checkpoint with a usable metric; `ValueError` when
+        the checkpoint does not match `target`;
         `CheckpointFormatError` when the checkpoint asked for is corrupt (with `fallback`:
         when every checkpoint is).
 
@@ -470,135 +431,67 @@ class CheckpointManager:
         checkpoint to fall back to, so a corruption only one process reads makes all of
         them skip it.
         """
-        _selection.check_config(config, "CheckpointManager.restore")
-        _matching.check_options(
-            casting,
-            rename,
-            "CheckpointManager.restore",
-            target=target,
-            filter_spec=filter_spec,
-            transform=transform,
-        )
-        self.wait()
-        options: dict[str, Any] = {
-            "config": config,
-            "filter_spec": filter_spec,
-            "strict": strict,
-            "rename": rename,
-            "casting": casting,
-            "transform": transform,
-            "host_window_bytes": self.host_window_bytes,
-            "replica_parallel": self.replica_parallel,
-        }
-        if step == "best":
-            return self._restore_best(target, options)
-        if step is not None or not fallback:
-            return restore_checkpoint(
-                self.directory,
+        with calling("CheckpointManager.restore"):
+            options = restore_options(
+                self._options,
                 target,
-                step=step,
-                prefix=self.prefix,
-                storage_options=self.storage_options,
-                **options,
+                config=config,
+                filter_spec=filter_spec,
+                strict=strict,
+                rename=rename,
+                casting=casting,
+                transform=transform,
             )
-        restored = restore_latest_that_verifies(
-            self._store, self.directory, self._listing, target, options, timeout_s=self.timeout_s
-        )
-        self._latest_known = False  # a skipped checkpoint was moved aside: list again
-        if restored is target:
-            # No checkpoint of its own (a fine-tune's first run): other weights in the
-            # directory (a Hugging Face layout) are read, or refused by name, never skipped.
-            return restore_checkpoint(
-                self.directory,
-                target,
-                prefix=self.prefix,
-                storage_options=self.storage_options,
-                **options,
-            )
-        return restored
+            self.wait()
+            if step == "best":
+                return self._restore_best(target, options)
+            if step is not None or not fallback:
+                return self._restore_step(target, step, options)
+            return self._restore_latest(target, options)
 
     # ------------------------------------------------------------------ internals
 
-    def _decide(self, value: Decimal, at_sync_point: bool) -> tuple[bool, bool]:
-        """(save this step, preemption seen), by this process's clock and listing: the
-        answer `should_save` shares when this is process 0."""
-        preempted = self._preempted or self._sigterm_received or at_sync_point
-        if not self._latest_known:
-            listing = self._listing()
-            self._latest_saved = listing[-1].value if listing else None
-            self._latest_known = True
-        if self._latest_saved is not None and value <= self._latest_saved:
-            return False, preempted
-        if preempted:
-            return True, True
-        if self.save_interval_steps is not None and value % self.save_interval_steps == 0:
-            return True, False
-        seconds = self.save_interval_seconds
-        return seconds is not None and _clock() - self._last_save_began >= seconds, False
-
-    def _install_sigterm_handler(self) -> None:
-        if (
-            not self.handle_sigterm
-            or self._listens
-            # Multi-process: JAX's preemption notifier owns SIGTERM (replacing its handler
-            # would hide preemptions from the sync point).
-            or jax.process_count() > 1
-            # Python runs signal handlers, and lets them be set, on the main thread only.
-            or threading.current_thread() is not threading.main_thread()
-        ):
-            return
-        _preemption.SIGTERM.register(self)
-        self._listens = True
-
-    def _restore_sigterm_handler(self) -> None:
-        if self._listens and threading.current_thread() is threading.main_thread():
-            _preemption.SIGTERM.unregister(self)
-            self._listens = False
-
-    def _listing(self) -> list[_directory.Entry]:
-        return _directory.list_checkpoints(self._store, self.directory, self.prefix)
-
-    def _entry(self, step: _names.Step) -> _directory.Entry:
-        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
-        if found is not None:
-            return found
-        raise ValueError(
-            f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
-            f"available steps: {self.all_steps()}."
+    def _restore_step(self, target: T, step: Any, options: dict[str, Any]) -> T:
+        """The checkpoint of `step` (None: the latest) restored, as `restore_checkpoint`
+        restores it from the manager's directory."""
+        return _restore.restore(
+            self._store, self.directory, target, step, self._options.prefix, **options
         )
 
+    def _restore_latest(self, target: T, options: dict[str, Any]) -> T:
+        """The newest checkpoint that verifies restored; the others skipped, moved aside."""
+        restored = restore_latest_that_verifies(
+            self._store,
+            self.directory,
+            self._listing,
+            lambda entry: restore_entry(self._store, entry, target, **options),
+            target,
+            timeout_s=self._options.timeout_s,
+            attempts=RESTORE_ATTEMPTS,
+        )
+        self._schedule.latest_known = False  # one skipped was moved aside: list again
+        if restored is target:
+            # No checkpoint of its own (a fine-tune's first run): other weights in the
+            # directory (a Hugging Face layout) are read, or refused by name, never skipped.
+            return self._restore_step(target, None, options)
+        return restored
+
     def _restore_best(self, target: T, options: dict[str, Any]) -> T:
-        if not self.best_metric:
+        metric = self._options.best_metric
+        if not metric:
             raise ValueError(
                 "CheckpointManager.restore(step='best') needs best_metric, the metric that "
                 "ranks checkpoints: CheckpointManager(directory, best_metric='val_loss') "
                 "(and mode='max' when higher is better)."
             )
-        for attempt in range(RESTORE_ATTEMPTS):
-            best = self._ranking.best(self._listing, best_metric=self.best_metric, mode=self.mode)
-            if best is None:
-                raise ValueError(
-                    f"CheckpointManager.restore: no checkpoint in {self.directory} has a "
-                    f"usable '{self.best_metric}' metric."
-                )
-            try:
-                return restore_entry(self._store, best, target, **options)
-            except FileNotFoundError:
-                # The trainer's retention removed it (a better one arrived): rank again.
-                if attempt + 1 == RESTORE_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._ranking.restore_best(
+            self._listing,
+            lambda entry: restore_entry(self._store, entry, target, **options),
+            directory=self.directory,
+            metric=metric,
+            mode=self._options.mode,
+            attempts=RESTORE_ATTEMPTS,
+        )
 
     def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
-        def rank(listed: list[_directory.Entry]) -> list[_directory.Entry]:
-            return self._ranking.ranked(
-                listed, best_metric=self.best_metric, mode=self.mode, gone_ok=True
-            )
-
-        return _retention.to_delete(
-            entries,
-            keep_latest=self.keep_latest,
-            keep_every_n_steps=self.keep_every_n_steps,
-            keep_best=self.keep_best,
-            rank=rank,
-        )
+        return _retention.to_delete(entries, self._options.retention, self._ranking)

@@ -1,5 +1,6 @@
-"""Which checkpoints a `CheckpointManager` keeps: the metrics it stores in each file and
-ranks them by, and the retention rule (the latest N, the best K, flax's every-N-steps)."""
+"""What a `CheckpointManager` reads of its directory and keeps: the metrics it stores in
+each file, the reading and ranking of them (`Ranking`), applying a retention policy to a
+listing, and the manager's reading half (`ManagedDirectory`)."""
 
 from __future__ import annotations
 
@@ -9,43 +10,39 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from decimal import Decimal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from jax.typing import ArrayLike
 
-from .._errors import NewerFormatError, outside_stacklevel
+from .._errors import (
+    UNREADABLE_ERRNOS,
+    NewerFormatError,
+    StepNotFoundError,
+    UnreadableCheckpointWarning,
+    call,
+    calling,
+    in_context,
+    outside_stacklevel,
+)
 from ..format import _format, _names
-from ..format._names import METRICS_KEY as _METRICS_KEY
+from ..format._names import (
+    METRICS_KEY as _METRICS_KEY,
+    USER_METADATA_KEY as _USER_METADATA_KEY,
+)
 from ..pipeline import _directory
-from ..pipeline._restore import RESTORE_ATTEMPTS
+from ..pipeline._snapshot import SnapshotMode
 from ..storage import Storage
-from ._fallback import UNREADABLE_ERRNOS, UnreadableCheckpointWarning
+from ._options import ManagerOptions, Option as _Option
+from ._retention_policy import Mode, RetentionContext, RetentionPolicy
+from ._save_policy import SavePolicy
 
+T = TypeVar("T")
 
-def check_policy(
-    keep_latest: Any,
-    keep_best: Any,
-    best_metric: Any,
-    mode: Any,
-    keep_every_n_steps: Any,
-) -> None:
-    """Raises `ValueError` naming the first of a manager's retention options that is invalid."""
-    if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
-        raise ValueError(
-            f"CheckpointManager: keep_latest must be an int >= 1 (the newest checkpoint is "
-            f"what resuming needs), got {keep_latest!r}."
-        )
-    if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-        raise ValueError(f"CheckpointManager: keep_best must be an int >= 0, got {keep_best!r}.")
-    if keep_best > 0 and not best_metric:
-        raise ValueError(
-            f"CheckpointManager: keep_best={keep_best} needs best_metric, the name of the "
-            "metric that ranks checkpoints (e.g. best_metric='val_loss')."
-        )
-    if mode not in ("min", "max"):
-        raise ValueError(f"CheckpointManager: mode must be 'min' or 'max', got {mode!r}.")
-    _directory.check_keep_every_n_steps(keep_every_n_steps, "CheckpointManager")
+# What `metrics_of` read: (the metrics saved with a checkpoint or None, why they could not
+# be read or None).
+Read = tuple[dict[str, Any] | None, str | None]
 
 
 def metadata_of(store: Storage, entry: _directory.Entry) -> dict[str, str]:
@@ -56,11 +53,9 @@ def metadata_of(store: Storage, entry: _directory.Entry) -> dict[str, str]:
         return reader.metadata
 
 
-def metric_of(
-    store: Storage, entry: _directory.Entry, best_metric: str | None
-) -> tuple[float | None, str | None]:
-    """(the checkpoint's `best_metric`, or None; why it could not be read, or None).
-    Raises `FileNotFoundError` if the checkpoint is gone."""
+def metrics_of(store: Storage, entry: _directory.Entry) -> Read:
+    """(the metrics saved with the checkpoint, or None; why they could not be read, or
+    None). Raises `FileNotFoundError` if the checkpoint is gone."""
     try:
         raw = metadata_of(store, entry).get(_METRICS_KEY)
         metrics = json.loads(raw) if raw else None
@@ -74,48 +69,46 @@ def metric_of(
             # permission), says nothing about the checkpoint: never let it make retention
             # delete the best one.
             error.add_note(
-                f"CheckpointManager: while reading the metrics of {entry.path} to rank the "
-                "checkpoints (retention, or step='best'); nothing was deleted."
+                f"{call('CheckpointManager')}: while reading the metrics of {entry.path} to "
+                "rank the checkpoints (retention, or step='best'); nothing was deleted."
             )
             raise
         return None, str(error)
-    value = metrics.get(best_metric or "") if isinstance(metrics, dict) else None
+    return (metrics if isinstance(metrics, dict) else None), None
+
+
+def usable(metrics: dict[str, Any] | None, name: str | None) -> float | None:
+    """The value of metric `name` in `metrics`, if it is a number and not NaN."""
+    value = metrics.get(name or "") if metrics is not None else None
     if value is None or not isinstance(value, int | float) or math.isnan(value):
-        return None, None
-    return float(value), None
+        return None
+    return float(value)
 
 
 class Ranking:
-    """Ranks the checkpoints of one store by a metric, remembering what it read."""
+    """Reads and ranks the metrics of the checkpoints of one store, remembering what it
+    read."""
 
     def __init__(self, store: Storage):
         self.store = store
-        # (path, listed version) -> what `metric_of` read: on an object store, retention
+        # (path, listed version) -> what `metrics_of` read: on an object store, retention
         # and "best" then read only the metrics of checkpoints not seen before.
-        self.cache: dict[tuple[str, Any], tuple[float | None, str | None]] = {}
+        self.cache: dict[tuple[str, Any], Read] = {}
 
-    def ranked(
-        self,
-        entries: list[_directory.Entry],
-        *,
-        best_metric: str | None,
-        mode: str,
-        gone_ok: bool,
-    ) -> list[_directory.Entry]:
-        """`entries` with a usable metric, best first (ties: newer first). The metrics are
-        read concurrently. A checkpoint gone meanwhile counts as having none (`gone_ok`)
-        or raises `FileNotFoundError` (so that the caller lists again)."""
-
+    def read(self, entries: list[_directory.Entry], *, gone_ok: bool) -> list[Read]:
+        """What `metrics_of` reads of each of `entries`, read concurrently; a warning for
+        each whose metrics are unreadable. A checkpoint gone meanwhile counts as having
+        none (`gone_ok`) or raises `FileNotFoundError` (so that the caller lists again)."""
         cache = self.cache
 
-        def score(entry: _directory.Entry) -> tuple[float | None, str | None]:
+        def read_one(entry: _directory.Entry) -> Read:
             # A checkpoint never changes but by being replaced, which changes the version
             # the listing reports: what was read for that version stays true.
             key = (entry.path, entry.identity)
             if entry.identity is not None and key in cache:
                 return cache[key]
             try:
-                found = metric_of(self.store, entry, best_metric)
+                found = metrics_of(self.store, entry)
             except FileNotFoundError:
                 if gone_ok:
                     return None, None
@@ -126,68 +119,99 @@ class Ranking:
 
         # Concurrently: on an object store each read is a request, latency-bound.
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(entries)))) as pool:
-            scores = list(pool.map(score, entries))
+            read = list(pool.map(in_context(read_one), entries))
         listed = {(e.path, e.identity) for e in entries}
         self.cache = {k: v for k, v in cache.items() if k in listed}
-        for entry, (_, problem) in zip(entries, scores, strict=True):
+        for entry, (_, problem) in zip(entries, read, strict=True):
             if problem is not None:
                 warnings.warn(
-                    f"CheckpointManager: cannot read the metrics of {entry.path} ({problem}); "
-                    "it counts as having none.",
+                    f"{call('CheckpointManager')}: cannot read the metrics of {entry.path} "
+                    f"({problem}); it counts as having none.",
                     UnreadableCheckpointWarning,
                     stacklevel=outside_stacklevel(sys._getframe()),
                 )
-        usable = [(m, e) for (m, _), e in zip(scores, entries, strict=True) if m is not None]
-        sign = 1.0 if mode == "min" else -1.0
-        usable.sort(key=lambda item: (sign * item[0], -item[1].value))
-        return [e for _, e in usable]
+        return read
 
     def best(
         self,
         list_checkpoints: Callable[[], list[_directory.Entry]],
         *,
-        best_metric: str | None,
-        mode: str,
+        metric: str,
+        mode: Mode,
+        attempts: int,
     ) -> _directory.Entry | None:
-        """The best checkpoint by `best_metric`, ranked on one listing; listed again if
-        retention removed a checkpoint while its metric was being read."""
-        for attempt in range(RESTORE_ATTEMPTS):
+        """The best checkpoint by `metric`, ranked on one listing; listed again (up to
+        `attempts` times) if retention removed a checkpoint while its metric was read."""
+        for attempt in range(attempts):
+            entries = _directory.preferred(list_checkpoints())
             try:
-                ranked = self.ranked(
-                    _directory.preferred(list_checkpoints()),
-                    best_metric=best_metric,
-                    mode=mode,
-                    gone_ok=False,
-                )
+                read = self.read(entries, gone_ok=False)
             except FileNotFoundError:
-                if attempt + 1 == RESTORE_ATTEMPTS:
+                if attempt + 1 == attempts:
                     raise
                 continue
+            ranked = rank(entries, read, metric, mode)
             return ranked[0] if ranked else None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def restore_best(
+        self,
+        list_checkpoints: Callable[[], list[_directory.Entry]],
+        restore: Callable[[_directory.Entry], T],
+        *,
+        directory: str,
+        metric: str,
+        mode: Mode,
+        attempts: int,
+    ) -> T:
+        """What `restore(entry)` returns for the best checkpoint by `metric` of `directory`
+        (listed by `list_checkpoints`); ranked again
+        (up to `attempts` times) when retention removed it meanwhile (a better one arrived).
+        Raises `StepNotFoundError` when no checkpoint has a usable `metric`."""
+        for attempt in range(attempts):
+            best = self.best(list_checkpoints, metric=metric, mode=mode, attempts=attempts)
+            if best is None:
+                raise StepNotFoundError(
+                    f"{call('CheckpointManager.restore')}: no checkpoint in {directory} has "
+                    f"a usable '{metric}' metric."
+                )
+            try:
+                return restore(best)
+            except FileNotFoundError:
+                if attempt + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def rank(
+    entries: list[_directory.Entry], read: list[Read], metric: str, mode: Mode
+) -> list[_directory.Entry]:
+    """`entries` with a usable `metric` in what was `read` of them, best first (ties: newer
+    first)."""
+    scored = [
+        (value, entry)
+        for (metrics, _), entry in zip(read, entries, strict=True)
+        if (value := usable(metrics, metric)) is not None
+    ]
+    sign = 1.0 if mode == "min" else -1.0
+    scored.sort(key=lambda item: (sign * item[0], -item[1].value))
+    return [entry for _, entry in scored]
+
 
 def to_delete(
-    entries: list[_directory.Entry],
-    *,
-    keep_latest: int,
-    keep_every_n_steps: int | float | None,
-    keep_best: int,
-    rank: Any,
+    entries: list[_directory.Entry], policy: RetentionPolicy, ranking: Ranking
 ) -> list[str]:
-    """The step texts of `entries` (oldest first) that retention deletes: all but the newest
-    `keep_latest`, those flax's `keep_every_n_steps` rule keeps, and the best `keep_best` by
-    `rank(entries)` (called only when some checkpoint might go)."""
-    steps = [(e.value, e.text) for e in entries]
-    keep = {e.text for e in entries[-keep_latest:]}
-    kept_by_flax_rule = set(text for _, text in steps[: max(len(steps) - keep_latest, 0)]) - set(
-        _directory.steps_to_delete(steps, keep=keep_latest, keep_every_n_steps=keep_every_n_steps)
-    )
-    keep.update(kept_by_flax_rule)
-    if keep_best and len(keep) < len(entries):
-        # Metrics are read only when some checkpoint might go.
-        keep.update(e.text for e in rank(entries)[:keep_best])
-    return [e.text for e in entries if e.text not in keep]
+    """The step texts of `entries` (one per step, oldest first) that `policy` does not
+    keep. Metrics are read (through `ranking`) only if the policy asks, and then once."""
+    read: list[Read] = []
+
+    def ranked(metric: str, mode: Mode) -> list[Decimal]:
+        if not read:
+            read.extend(ranking.read(entries, gone_ok=True))
+        return [entry.value for entry in rank(entries, read, metric, mode)]
+
+    kept = policy.keep(RetentionContext(tuple(e.value for e in entries), ranked))
+    return [e.text for e in entries if e.value not in kept]
 
 
 def encode_metrics(metrics: Mapping[str, ArrayLike] | None) -> str:
@@ -200,7 +224,7 @@ def encode_metrics(metrics: Mapping[str, ArrayLike] | None) -> str:
             encoded[str(name)] = float(np.asarray(value))
         except (TypeError, ValueError):
             raise TypeError(
-                f"CheckpointManager.save: metric '{name}' must be a number, got "
+                f"{call('CheckpointManager.save')}: metric '{name}' must be a number, got "
                 f"{type(value).__name__} {value!r}."
             ) from None
     return json.dumps(encoded)
@@ -214,5 +238,80 @@ def encode_metadata(metadata: Mapping[str, Any] | None) -> str:
         return json.dumps(dict(metadata))
     except (TypeError, ValueError) as error:
         raise TypeError(
-            f"CheckpointManager.save: metadata must be JSON-serialisable ({error})."
+            f"{call('CheckpointManager.save')}: metadata must be JSON-serialisable ({error})."
         ) from None
+
+
+class ManagedDirectory:
+    """The reading half of `CheckpointManager`: what is in its directory. Set up by the
+    manager's constructor."""
+
+    directory: str
+    _store: Storage
+    _options: ManagerOptions
+    _ranking: Ranking
+    # How often a listing is read again when a checkpoint vanished while being read.
+    _attempts: int
+
+    prefix = _Option[str]()
+    retention = _Option[RetentionPolicy]()
+    save_policy = _Option[SavePolicy]()
+    keep_latest = _Option[int | None]()
+    keep_best = _Option[int | None]()
+    best_metric = _Option[str | None]()
+    mode = _Option[Literal["min", "max"]]()
+    keep_every_n_steps = _Option[int | float | None]()
+    save_interval_steps = _Option[int | None]()
+    save_interval_seconds = _Option[int | float | None]()
+    snapshot = _Option[SnapshotMode]()
+    host_window_bytes = _Option[int]()
+    timeout_s = _Option[int | float]()
+    handle_sigterm = _Option[bool]()
+    replica_parallel = _Option[bool]()
+    storage_options = _Option[Mapping[str, Any] | None]()
+
+    def all_steps(self) -> list[int | float]:
+        """Steps of the checkpoints in the directory, oldest first."""
+        return list({e.value: e.step for e in self._listing()}.values())
+
+    def latest_step(self) -> int | float | None:
+        """The newest step, or None when there is no checkpoint."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | float | None:
+        """The step with the best `best_metric` (None if no checkpoint has a usable one)."""
+        metric = self._options.best_metric
+        if not metric:
+            raise ValueError("CheckpointManager.best_step: the manager has no best_metric.")
+        with calling("CheckpointManager.best_step"):
+            best = self._ranking.best(
+                self._listing, metric=metric, mode=self._options.mode, attempts=self._attempts
+            )
+        return None if best is None else best.step
+
+    def metrics(self, step: _names.Step) -> dict[str, float] | None:
+        """The metrics saved with `step` (None if it was saved without). Reads no tensor data."""
+        raw = metadata_of(self._store, self._entry(step)).get(_METRICS_KEY)
+        return None if raw is None else json.loads(raw)
+
+    def metadata(self, step: _names.Step) -> dict[str, Any] | None:
+        """The user metadata saved with `step` (None if none). Reads no tensor data."""
+        raw = metadata_of(self._store, self._entry(step)).get(_USER_METADATA_KEY)
+        return None if raw is None else json.loads(raw)
+
+    def _latest(self) -> Decimal | None:
+        listing = self._listing()
+        return listing[-1].value if listing else None
+
+    def _listing(self) -> list[_directory.Entry]:
+        return _directory.list_checkpoints(self._store, self.directory, self._options.prefix)
+
+    def _entry(self, step: _names.Step) -> _directory.Entry:
+        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
+        if found is not None:
+            return found
+        raise StepNotFoundError(
+            f"CheckpointManager: no checkpoint for step {step} in {self.directory}; "
+            f"available steps: {self.all_steps()}."
+        )

@@ -57,20 +57,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._errors import BarrierTimeoutError as BarrierTimeoutError
+
 if TYPE_CHECKING:
     import jax
 else:  # imported on first use: the command line reads headers without JAX
     from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
-
-
-class BarrierTimeoutError(TimeoutError):
-    """A multi-process operation waited longer than its timeout for its peers; the message
-    names the processes that did not arrive (`late`: whether this process was one of them,
-    arriving after a peer had given up)."""
-
-    late: bool = False
 
 
 _LOCK = threading.Lock()

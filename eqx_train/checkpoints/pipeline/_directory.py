@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from .._errors import StepExistsError
 from ..format import _names, _shards
 from ..storage import Storage
 
@@ -137,7 +138,7 @@ def check_newer(
     `overwrite`."""
     newest = latest(list_checkpoints(store, ckpt_dir, prefix))
     if newest is not None and not overwrite and value <= newest.value:
-        raise ValueError(
+        raise StepExistsError(
             f"{caller}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
             f"and step {text} is not newer. Pass overwrite=True to replace it (this also "
             "deletes every newer checkpoint)."

@@ -28,7 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import outside_stacklevel
+from .._errors import PartialRestoreWarning as PartialRestoreWarning, outside_stacklevel
 from ..format._description import LeafKind, key_impl, key_impls, kind_of
 from ..format._leaf_names import leaf_names
 from . import _selection, _transform
@@ -45,18 +45,6 @@ from ._rename import (
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
 CASTINGS: tuple[Casting, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
-
-
-class PartialRestoreWarning(UserWarning):
-    """A restore with `strict=False` left some target leaves with the target's values (the
-    checkpoint has no tensor for them) or left some saved tensors unused; or a restore into
-    an abstract target (`jax.ShapeDtypeStruct` leaves) returns some of them unfilled, as
-    placeholders (left out by `filter_spec` or `rename`, or missing with `strict=False`).
-
-    The message says how many of each and names the first few. `plan_restore` lists them
-    all before restoring; `warnings.simplefilter("ignore", PartialRestoreWarning)` silences
-    a restore whose partiality is intended.
-    """
 
 
 def check_options(

@@ -29,7 +29,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from ..._tree import weak_like
-from .._errors import CheckpointFormatError, invalid, short
+from .._errors import CheckpointFormatError, StepNotFoundError, invalid, short
 from ..format import _names
 from ..format._description import LeafKind, rebuild
 from ..format._format import FileReader
@@ -129,7 +129,7 @@ def _resolve(
     if found_step is not None:
         return found_step, True
     available = list({e.value: e.text for e in listing}.values())
-    raise ValueError(
+    raise StepNotFoundError(
         f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
         f"{ckpt_dir}; available steps: {available}."
     )

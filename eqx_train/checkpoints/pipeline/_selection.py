@@ -21,19 +21,10 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import outside_stacklevel
+from .._errors import ConfigMismatchWarning as ConfigMismatchWarning, outside_stacklevel
 
 Config = Literal["target", "saved"]
 CONFIG_CHOICES = ("target", "saved")
-
-
-class ConfigMismatchWarning(UserWarning):
-    """A restore kept the target's configuration (the Python `bool`/`int`/`float` fields of
-    its Equinox modules, e.g. `Dropout.p`, `inference`) where the file saved other values.
-
-    The message names every such leaf with both values. Pass `config="saved"` to take the
-    file's values instead, or turn this warning into an error with `warnings.simplefilter`.
-    """
 
 
 def check_config(config: Any, caller: str) -> None:

@@ -1,0 +1,100 @@
+"""Typed step errors: a save refused because its step exists is a `StepExistsError`, a
+step asked for and not found is a `StepNotFoundError`, on every path (a file, a `.shards`
+directory, a manager, an object store); both stay `ValueError`s, as they were."""
+
+import os
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+from eqx_train import checkpoints
+from eqx_train.checkpoints import (
+    CheckpointManager,
+    StepExistsError,
+    StepNotFoundError,
+)
+from eqx_train.checkpoints.pipeline import _directory
+
+STATE = {"w": np.arange(3, dtype=np.float32)}
+
+
+@pytest.fixture(params=["file", "shards", "memory"])
+def saved(request, tmp_path):
+    """(directory, save) where step 5 was saved: a file, a `.shards` directory, or a file
+    in a `memory://` object store."""
+    if request.param == "memory":
+        bucket = f"eqx-steps-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        directory = f"memory://{bucket}/run"
+        request.addfinalizer(lambda: fsspec.filesystem("memory").rm(bucket, recursive=True))
+    else:
+        directory = str(tmp_path)
+    if request.param == "shards":
+        save = checkpoints.save_checkpoint_multiprocess
+    else:
+        save = checkpoints.save_checkpoint
+    save(directory, STATE, 5)
+    return directory, save
+
+
+def test_the_step_errors_are_also_the_errors_they_were():
+    assert issubclass(StepExistsError, FileExistsError)
+    assert issubclass(StepExistsError, ValueError)
+    assert issubclass(StepNotFoundError, FileNotFoundError)
+    assert issubclass(StepNotFoundError, ValueError)
+
+
+def test_saving_an_existing_step_raises_step_exists(saved):
+    directory, save = saved
+    with pytest.raises(StepExistsError, match=r"step 5 already exists.*overwrite=True"):
+        save(directory, STATE, 5)
+
+
+def test_saving_an_older_step_raises_step_exists(saved):
+    directory, save = saved
+    with pytest.raises(StepExistsError, match="step 4 is not newer"):
+        save(directory, STATE, 4)
+
+
+def test_a_step_that_appears_while_saving_raises_step_exists(tmp_path, monkeypatch):
+    checkpoints.save_checkpoint(tmp_path, STATE, 5)
+    # The check before writing saw nothing: another save committed step 5 meanwhile.
+    monkeypatch.setattr(_directory, "check_newer", lambda *args, **kwargs: None)
+    with pytest.raises(StepExistsError, match="appeared in .* while this save was writing"):
+        checkpoints.save_checkpoint(tmp_path, STATE, 5)
+
+
+def test_restoring_a_missing_step_raises_step_not_found(saved):
+    directory, _ = saved
+    with pytest.raises(StepNotFoundError, match=r"no checkpoint for step 3.*available steps"):
+        checkpoints.restore_checkpoint(directory, STATE, step=3)
+
+
+def test_planning_a_missing_step_raises_step_not_found(saved):
+    directory, _ = saved
+    with pytest.raises(StepNotFoundError, match="no checkpoint for step 3"):
+        checkpoints.plan_restore(directory, STATE, step=3)
+
+
+def test_planning_in_a_directory_without_checkpoints_raises_step_not_found(tmp_path):
+    with pytest.raises(StepNotFoundError, match="plan_restore: no checkpoint at"):
+        checkpoints.plan_restore(tmp_path, STATE)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_the_manager_raises_typed_step_errors(tmp_path, where):
+    if where == "memory":
+        directory = f"memory://eqx-steps-{os.getpid()}-{uuid.uuid4().hex[:8]}/run"
+    else:
+        directory = str(tmp_path)
+    manager = CheckpointManager(directory, best_metric="loss")
+    manager.save(5, STATE)
+    with pytest.raises(StepExistsError, match="CheckpointManager.save: .*step 5 already exists"):
+        manager.save(5, STATE)
+    with pytest.raises(StepNotFoundError, match="no checkpoint for step 3"):
+        manager.restore(STATE, step=3)
+    with pytest.raises(StepNotFoundError, match="no checkpoint for step 3"):
+        manager.metrics(3)
+    with pytest.raises(StepNotFoundError, match="usable 'loss' metric"):
+        manager.restore(STATE, step="best")
