@@ -1,4 +1,4 @@
-"""Review of eqx_train.testing: assert_trees_equal's tolerance keeps its promises at the
+"""eqx_train.testing at the edges: assert_trees_equal's tolerance keeps its promises at the
 edges (infinities equal only themselves, integers compared exactly, object arrays and
 Python complex numbers compared without crashing)."""
 
