@@ -16,7 +16,7 @@ from safetensors import safe_open
 from eqx_train import EarlyStopping, TrainState, checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _retention
-from tests.helpers import flip_last_byte, run_then_sigkill
+from tests.support.helpers import flip_last_byte, run_then_sigkill
 
 
 def _state(value):

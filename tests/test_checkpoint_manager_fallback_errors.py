@@ -14,7 +14,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _fallback
 from eqx_train.checkpoints.storage import _storage
-from tests.helpers import flip_last_byte
+from tests.support.helpers import flip_last_byte
 
 
 def _state(step):

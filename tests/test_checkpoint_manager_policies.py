@@ -16,8 +16,9 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _manager
 from eqx_train.checkpoints.pipeline import _coordination
+from tests.support.helpers import ROOT, SUPPORT
 
-WORKER = os.path.join(os.path.dirname(__file__), "policies_worker.py")
+WORKER = os.path.join(SUPPORT, "policies_worker.py")
 
 
 def _state(step):
@@ -386,9 +387,7 @@ def test_a_manager_reopened_after_all_closed_installs_the_handler_again(tmp_path
 
 def _start_worker(directory, steps):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, WORKER, str(directory), str(steps)],
         stdout=subprocess.PIPE,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from eqx_train import TrainState, checkpoints
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 # ---------------------------------------------------------------- the file
 

@@ -15,7 +15,7 @@ import pytest
 import eqx_train
 from eqx_train import checkpoints
 from eqx_train.checkpoints import ConfigMismatchWarning
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 class Net(eqx.Module):

@@ -22,7 +22,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _restore
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 # ---------------------------------------------------------------- helpers
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from tests.helpers import free_port, run_processes
+from tests.support.helpers import ROOT, SUPPORT, free_port, run_processes
 
-WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+WORKER = os.path.join(SUPPORT, "multiprocess_worker.py")
 TIMEOUT_S = 90
 
 
@@ -22,9 +22,7 @@ def _run_job(mode, count, *dirs, expected_exit=None, extra_env=None):
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(extra_env or {})
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     argv = [sys.executable, WORKER, mode]
     results = run_processes(
         [([*argv, str(i), str(count), port, *map(str, dirs)], env) for i in range(count)],
@@ -302,7 +300,7 @@ def test_a_capped_proxy_holds_its_rate_and_counts_every_byte_each_way(s3_server,
 
     import s3fs
 
-    from tests.fault_proxy import FaultProxy
+    from tests.support.fault_proxy import FaultProxy
 
     body = os.urandom(256 << 10)
     with FaultProxy(s3_server.endpoint_url, rate_bytes_per_s=1 << 20) as proxy:

@@ -22,7 +22,7 @@ import pytest
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints.format import _format, _names
 from eqx_train.checkpoints.storage import _locations, _object_storage
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 @pytest.fixture(params=["memory", "s3"])

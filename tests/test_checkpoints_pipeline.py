@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _snapshot, _transfer, _window
-from tests.helpers import assert_trees_equal, hold_the_writer
+from tests.support.helpers import assert_trees_equal, hold_the_writer
 
 MiB = 1 << 20
 

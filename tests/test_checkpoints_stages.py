@@ -19,7 +19,7 @@ import safetensors.numpy
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _restore, _snapshot, _transfer, _window
-from tests.helpers import assert_trees_equal, hold_the_writer
+from tests.support.helpers import assert_trees_equal, hold_the_writer
 
 LEAF = 256 << 10  # bytes of each leaf below
 

@@ -9,7 +9,7 @@ from flax.training import common_utils as flax_cu
 
 from eqx_train import checkpoints, common_utils
 from eqx_train.common_utils import numpy_rng_from_state, numpy_rng_state
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def test_shard_matches_flax():

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import free_port, run_processes
+from tests.support.helpers import free_port, run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120

@@ -8,7 +8,7 @@ import pytest
 from flax.training import dynamic_scale as flax_dynamic_scale
 
 from eqx_train import DynamicScale
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 # Finite (True) and overflowing (False) steps: runs long enough to grow the scale with
 # growth_interval=2, and overflows back to back to shrink it twice in a row.

@@ -16,7 +16,7 @@ from eqx_train.checkpoints import (
     restore_checkpoint,
     save_checkpoint,
 )
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def _norm(**kwargs):

@@ -19,7 +19,7 @@ import pytest
 
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_flax_checkpoint
-from tests.helpers import assert_identical
+from tests.support.helpers import assert_identical
 
 
 @pytest.fixture

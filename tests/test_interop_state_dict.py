@@ -15,7 +15,7 @@ import pytest
 from eqx_train.checkpoints import save_checkpoint
 from eqx_train.checkpoints.format._format import FileReader
 from eqx_train.interop import LoadReport, from_state_dict, to_state_dict
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 class Net(eqx.Module):

@@ -12,7 +12,7 @@ from flax import jax_utils as flax_jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqx_train import TrainState, checkpoints, jax_utils, shard, shard_to_mesh
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def _model():

@@ -1,7 +1,7 @@
 """Saves to an object store whose network misbehaves: answers lost after the store did the
 work (the client retries by itself), a store that stops answering, refused credentials, and
 URLs the store would rewrite. The store is the real S3 server (SeaweedFS on 127.0.0.1)
-behind `tests.fault_proxy.FaultProxy`, or the server itself frozen with SIGSTOP."""
+behind `tests.support.fault_proxy.FaultProxy`, or the server itself frozen with SIGSTOP."""
 
 import contextlib
 import os
@@ -15,7 +15,7 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.storage import _locations, _object_storage
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def _store(url, options):

@@ -1,6 +1,6 @@
 """A second, adversarial pass over the object-store promises of issue 22 (lost answers,
 deadlines, URLs the store rewrites, refused access), on the real S3 server (SeaweedFS on
-127.0.0.1) behind `tests.fault_proxy.FaultProxy`: what a commit whose answer never comes
+127.0.0.1) behind `tests.support.fault_proxy.FaultProxy`: what a commit whose answer never comes
 back leaves, and which URL spellings name one location and which name two."""
 
 import re
@@ -12,7 +12,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints.storage import _locations, _object_storage
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 INDEX = "index.safetensors"
 

@@ -20,7 +20,7 @@ from eqx_train.checkpoints import (
     restore_checkpoint,
 )
 from eqx_train.checkpoints.format import _format
-from tests.helpers import assert_trees_equal, flip_last_byte
+from tests.support.helpers import assert_trees_equal, flip_last_byte
 
 
 def _mlp(seed, dtype=None):

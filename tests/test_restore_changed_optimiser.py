@@ -14,7 +14,7 @@ import pytest
 
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints import plan_restore, restore_checkpoint
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def _trained(tx, steps=2):

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eqx_train.checkpoints import restore_checkpoint, save_checkpoint
 from eqx_train.checkpoints.format import _description, _format
 from eqx_train.checkpoints.pipeline import _restore, _transfer, _window
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 LEAF = 64 << 10  # bytes of each leaf of `_leaves`
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, plan_restore, restore_checkpoint
-from tests.helpers import assert_trees_equal, flip_last_byte
+from tests.support.helpers import assert_trees_equal, flip_last_byte
 
 KERNEL = np.arange(128, dtype=np.float32).reshape(8, 16)  # saved (in, out), as flax does
 QKV = np.arange(4 * 9, dtype=np.float32).reshape(4, 9)  # q, k, v side by side on axis 1

@@ -20,7 +20,7 @@ from tests.test_checkpoints_multiprocess import FIXTURE, _run_job
 
 
 def _values(value):
-    """What tests/multiprocess_worker.py's `values(value)` saves (computed here alike)."""
+    """What tests/support/multiprocess_worker.py's `values(value)` saves (computed here alike)."""
     return {
         "a": np.arange(48, dtype=np.float32).reshape(8, 6) + value,
         "b": np.arange(4, dtype=np.int32) * value,

@@ -11,7 +11,7 @@ import pytest
 from flax.training import train_state as flax_train_state
 
 from eqx_train import TrainState
-from tests.helpers import assert_trees_equal, tree_allclose
+from tests.support.helpers import assert_trees_equal, tree_allclose
 
 
 def _params(key):

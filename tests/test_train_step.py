@@ -9,7 +9,7 @@ import pytest
 
 import eqx_train
 from eqx_train import TrainState, jit_step, pmap_step
-from tests.helpers import assert_trees_equal, tree_allclose
+from tests.support.helpers import assert_trees_equal, tree_allclose
 
 TX = optax.adam(1e-2)
 

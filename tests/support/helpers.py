@@ -1,7 +1,9 @@
-"""Tree comparisons for the tests, built on `eqx.tree_equal`, and a subprocess killer."""
+"""Tree comparisons for the tests, built on `eqx.tree_equal`; subprocess runners; where the
+worker scripts are."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import equinox as eqx
@@ -9,6 +11,11 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+"""This folder: the worker scripts that tests start as processes live here."""
+ROOT = os.path.dirname(os.path.dirname(SUPPORT))
+"""The repository root, which a worker needs on its PYTHONPATH to import `tests.support`."""
 
 
 def _is_array(x: Any) -> bool:

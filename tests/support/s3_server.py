@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tests.helpers import free_port
+from tests.support.helpers import free_port
 
 REGION = "us-east-1"
 
