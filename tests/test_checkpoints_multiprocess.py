@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import sys
+from typing import cast
 
 import pytest
 
@@ -44,7 +45,10 @@ def test_two_processes_save_retain_overwrite_restore_and_reshard_both_ways(tmp_p
     # The overwrite left the index and one piece file per process, all of the new save.
     files = sorted(os.listdir(saved / "checkpoint_2.shards"))
     assert files[0] == "index.safetensors" and len(files) == 3, files
-    tokens = {re.fullmatch(r"process_0000[01]\.(.+)\.safetensors", f)[1] for f in files[1:]}
+    tokens = {
+        cast(re.Match, re.fullmatch(r"process_0000[01]\.(.+)\.safetensors", f))[1]
+        for f in files[1:]
+    }
     assert len(tokens) == 1, files
     _run_job("reshard_to_one", 1, saved, back)
     _run_job("reshard_back", 2, back)
@@ -195,7 +199,9 @@ def _written(shards_dir):
 
 def _read(outputs, label="READ"):
     """The piece bytes each process says it read (its `label` line)."""
-    return [int(re.search(rf"^{label} \d+ (\d+)$", out, re.M)[1]) for out in outputs]
+    return [
+        int(cast(re.Match, re.search(rf"^{label} \d+ (\d+)$", out, re.M))[1]) for out in outputs
+    ]
 
 
 def _arrays_table(shards_dir):

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import sys
+from typing import cast
 
 import numpy as np
 import pytest
@@ -66,7 +67,8 @@ def test_multi_host_page_saves_and_reshards_across_two_processes(tmp_path):
     files = sorted(os.listdir(ckpt_dir / "checkpoint_1000.shards"))
     assert files[0] == "index.safetensors" and len(files) == 3, files
     assert [
-        re.fullmatch(r"process_0000([01])\.[0-9a-f-]+\.safetensors", f)[1] for f in files[1:]
+        cast(re.Match, re.fullmatch(r"process_0000([01])\.[0-9a-f-]+\.safetensors", f))[1]
+        for f in files[1:]
     ] == [
         "0",
         "1",

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from eqx_train.checkpoints.storage import _locations, _object_storage
 from tests.support.helpers import assert_trees_equal
 
 
-def _store(url, options):
+def _store(url, options) -> Any:
+    """The fsspec-backed storage of `url`: the tests reach into its `fs`."""
     return _locations.resolve(url, options, caller="test")[0]
 
 

@@ -6,6 +6,7 @@ back leaves, and which URL spellings name one location and which name two."""
 import re
 import time
 import unicodedata
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,8 @@ def impatient(proxied, monkeypatch):
     return url, {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}, proxy
 
 
-def _store(url, options):
+def _store(url, options) -> Any:
+    """The fsspec-backed storage of `url`: the tests reach into its `fs`."""
     return _locations.resolve(url, options, caller="test")[0]
 
 

@@ -47,6 +47,7 @@ def _finish(process):
 
 def _kill_in_save(workdir, track, out):
     process = _worker(workdir, track, out, KILL_AT)
+    assert process.stdout is not None and process.stderr is not None  # pipes
     try:
         lines = []
         for line in process.stdout:
@@ -68,7 +69,8 @@ def _kill_in_save(workdir, track, out):
             process.kill()
             process.wait()
         for stream in (process.stdin, process.stdout, process.stderr):
-            stream.close()
+            if stream is not None:
+                stream.close()
 
 
 @pytest.mark.parametrize("track", ["mesh", "pmap"])

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,7 @@ def test_env_points_a_subprocess_at_the_server(s3_server, s3_bucket):
     assert result.stdout.strip() == "env"
 
 
-def _socket_paths(ports: dict[str, int]) -> list[Path]:
+def _socket_paths(ports: Mapping[str, int]) -> list[Path]:
     return [
         Path(f"/tmp/seaweedfs-{flag.split('.')[0]}-grpc-{port}.sock")
         for flag, port in ports.items()
