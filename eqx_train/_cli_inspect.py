@@ -23,8 +23,9 @@ from ._cli_open import (
     size_text,
     spec_text,
 )
+from ._text import short
 from .checkpoints import engine
-from .checkpoints.engine import CheckpointFormatError, IndexReader, short
+from .checkpoints.engine import CheckpointFormatError, IndexReader
 from .interop import engine as interop
 
 
