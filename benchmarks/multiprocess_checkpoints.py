@@ -13,7 +13,7 @@ the single-process throughput (1.0 would be perfect scaling).
 With `--replicated`: N = `--counts` real `jax.distributed` processes on loopback (one CPU
 device each, gloo collectives) hold one fully replicated float32 state of `--mib` MiB and
 save it to, then restore it from, a SeaweedFS bucket on 127.0.0.1. Each process talks to
-the bucket through its own proxy (`tests.fault_proxy.FaultProxy`) capped at `--rate-mib`
+the bucket through its own proxy (`tests.support.fault_proxy.FaultProxy`) capped at `--rate-mib`
 MiB/s each way, as a host's own network link would be, so the links are the bound as at
 scale. Every N runs twice, one job after the other: `replica_parallel=False` (process 0
 writes everything, every process reads everything) and the default. Reported per process:
@@ -154,7 +154,7 @@ def run_replicated(
     server: Any, count: int, mib: int, repeats: int, rate: float, replica_parallel: bool
 ) -> list[dict[str, float]]:
     """One job: per process, its times and its proxy's byte counts per save + restore."""
-    from tests.fault_proxy import FaultProxy
+    from tests.support.fault_proxy import FaultProxy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,7 +203,7 @@ def replicated_main(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from _timing import print_table
 
-    from tests.s3_server import SeaweedS3
+    from tests.support.s3_server import SeaweedS3
 
     rate, state = args.rate_mib * 2**20, args.mib * 2**20
     rows, summary = [], {"benchmark": "multiprocess_checkpoints_replicated", "mib": args.mib,

@@ -42,7 +42,7 @@ from _timing import print_table  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
 from eqx_train.checkpoints.storage import _fsspec, _locations  # noqa: E402
-from tests.s3_server import SeaweedS3  # noqa: E402
+from tests.support.s3_server import SeaweedS3  # noqa: E402
 
 
 def timed(run) -> float:

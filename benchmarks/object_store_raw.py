@@ -1,7 +1,7 @@
 """Raw object-store client speed on a local SeaweedFS, to choose the client for issue 12.
 
 A temporary measurement, not a checkpoint benchmark: the same bytes moved by s3fs (fsspec),
-obstore and boto3 against one SeaweedFS server on 127.0.0.1 (tests/s3_server.py), plus
+obstore and boto3 against one SeaweedFS server on 127.0.0.1 (tests/support/s3_server.py), plus
 in-memory stores (fsspec `memory://`, obstore `MemoryStore`). Cases: put and get of one
 256 MiB object; put and get of 512 objects of 0.5 MiB (each client's concurrent way);
 8 parallel 32 MiB range reads from one object. Streaming writes go in 32 MiB `write()`
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _timing import print_table  # noqa: E402
 
-from tests.s3_server import REGION, SeaweedS3  # noqa: E402
+from tests.support.s3_server import REGION, SeaweedS3  # noqa: E402
 
 MiB = 1 << 20
 BIG = 256 * MiB

@@ -9,8 +9,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ._text import short
 from .checkpoints import engine
-from .checkpoints.engine import CheckpointFormatError, short
+from .checkpoints.engine import CheckpointFormatError
 
 Metrics = dict[str, Any] | str | None  # a checkpoint's metrics, or why they are unreadable
 

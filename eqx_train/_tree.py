@@ -1,8 +1,9 @@
-"""Pytree helpers shared by every module: key paths to names, array tests."""
+"""Pytree helpers shared by every module: key paths to names, array tests, and the one walk
+that finds where two trees differ."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -164,3 +165,55 @@ def as_weak(array: Any) -> Any:
             return array
         weak = jax.device_put(jnp.asarray(array.item()), array.sharding)  # a Python number
         return weak if weak.dtype == array.dtype else array
+
+
+Children = Callable[[Any], "list[tuple[Any, Any]] | None"]
+"""One level of a tree: `[(key, child)]` for a node, None for a leaf."""
+
+
+def differences(
+    a: Any,
+    b: Any,
+    *,
+    children: Children,
+    node_difference: Callable[[Any, Any, list, list, KeyPath], str | None],
+    leaf_difference: Callable[[Any, Any, KeyPath], str | None],
+) -> Iterator[tuple[KeyPath, str, Any, Any]]:
+    """Walks two trees together, depth first in the order `children` gives, and yields
+    `(key path, what differs, a's side, b's side)` at each place where they differ.
+
+    Where either side is a leaf (`children` gives None), `leaf_difference(x, y, path)` says
+    how the pair differs, or None. Where both are nodes, `node_difference(x, y, x's
+    children, y's children, path)` says how they differ in themselves (type, keys, static
+    fields), or None, and then their children are walked pair by pair; nothing below a
+    pair that differs is compared. The callers say what a node is and word each
+    difference: this is the one walk behind every "where do two trees differ" of
+    eqx_train (`assert_trees_equal`, and `jit_step`'s check of a state's static part).
+
+    **Arguments:**
+
+    - `a`, `b`: the two trees.
+    - `children`: one level of either tree.
+    - `node_difference`: how two nodes differ in themselves; None when their children line
+      up (same keys, in the same order), which must hold for them to be walked.
+    - `leaf_difference`: how a pair with a leaf on at least one side differs.
+
+    **Returns:**
+
+    An iterator over the differences, first difference first.
+    """
+
+    def visit(x: Any, y: Any, path: KeyPath) -> Iterator[tuple[KeyPath, str, Any, Any]]:
+        pairs_x, pairs_y = children(x), children(y)
+        if pairs_x is None or pairs_y is None:
+            what = leaf_difference(x, y, path)
+        else:
+            what = node_difference(x, y, pairs_x, pairs_y, path)
+            if what is None:
+                for (key, child_x), (_, child_y) in zip(pairs_x, pairs_y, strict=True):
+                    yield from visit(child_x, child_y, (*path, key))
+                return
+        if what is not None:
+            yield path, what, x, y
+
+    return visit(a, b, ())

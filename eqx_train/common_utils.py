@@ -15,8 +15,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, Key
 
+from ._jax_utils_pad import batch_sharding, pad_rows
+from ._jax_utils_replicate import unreplicate
 from ._tree import is_array, map_array_leaves_batched, map_arrays_with_path, path_to_name
-from .jax_utils import _batch_sharding, _pad_rows, unreplicate
 
 # A pytree's type, kept by the functions that return a pytree of the same structure.
 T = TypeVar("T")
@@ -108,7 +109,7 @@ def shard_to_mesh(
     not divide over `n` devices and `pad` is off, or when leaves disagree on `b`; and when
     `batch_axis` names no axis of `mesh`.
     """
-    sharding, count = _batch_sharding(mesh, batch_axis, caller="shard_to_mesh")
+    sharding, count = batch_sharding(mesh, batch_axis, caller="shard_to_mesh")
     sizes: dict[int, str] = {}
 
     def check(name: str, x: Any) -> Any:
@@ -138,7 +139,7 @@ def shard_to_mesh(
         )
 
     def place(leaves: list[Any]) -> list[Any]:
-        host = [x if total == batch else _pad_rows(x, total) for x in leaves]
+        host = [x if total == batch else pad_rows(x, total) for x in leaves]
         return jax.device_put(host, sharding)
 
     return map_array_leaves_batched(place, xs)

@@ -11,6 +11,9 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
+from ._text import short
+from ._tree import differences
+
 __all__ = ["jit_step", "pmap_step"]
 
 # The step keeps `fn`'s signature: its first argument is the array part of the state, which
@@ -203,43 +206,81 @@ def _rebuild_and_check(
 def _static_difference(a: PyTree, b: PyTree) -> str:
     """Where the array part `a` and the static part `b` of what should be one state first
     disagree: "the static field 'tx' differs (...)", or their structures shown."""
-    return _first_difference(a, b, "") or (
-        f"their structures differ: {_short(jax.tree.structure(a), 300)} vs "
-        f"{_short(jax.tree.structure(b), 300)}"
+    walk = differences(
+        a,
+        b,
+        children=_children,
+        node_difference=_node_difference,
+        leaf_difference=_leaf_difference,
+    )
+    first = next(walk, None)
+    if first is not None:
+        return first[1]
+    return (
+        f"their structures differ: {short(jax.tree.structure(a), 300)} vs "
+        f"{short(jax.tree.structure(b), 300)}"
     )
 
 
-def _first_difference(a: Any, b: Any, path: str) -> str | None:
+class _Static:
+    """A static field's value, as a leaf of the walk: compared, never walked into."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _children(x: Any) -> list[tuple[Any, Any]] | None:
+    if x is None or eqx.is_array(x):
+        return None
+    if isinstance(x, eqx.Module):
+        fields = dataclasses.fields(x)
+        return [
+            (f.name, _Static(value) if f.metadata.get("static", False) else value)
+            for f in fields
+            for value in [getattr(x, f.name, None)]
+        ]
+    if isinstance(x, dict):
+        return list(x.items())
+    if isinstance(x, list | tuple):
+        return list(enumerate(x))
+    return None
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def _type_difference(a: Any, b: Any, path: tuple[Any, ...]) -> str | None:
+    if type(a) is type(b):
+        return None
+    where = f"'{_dotted(path)}'" if path else "the root"
+    return f"{where} is a {type(a).__name__} in one and a {type(b).__name__} in the other"
+
+
+def _leaf_difference(a: Any, b: Any, path: tuple[Any, ...]) -> str | None:
     if a is None or b is None or eqx.is_array(a) or eqx.is_array(b):
         return None  # the array half and the static half of one leaf
-    if type(a) is not type(b):
-        where = f"'{path}'" if path else "the root"
-        return f"{where} is a {type(a).__name__} in one and a {type(b).__name__} in the other"
-    if isinstance(a, eqx.Module):
-        pairs = [(f.name, f.metadata.get("static", False)) for f in dataclasses.fields(a)]
-        for name, static in pairs:
-            x, y = getattr(a, name, None), getattr(b, name, None)
-            where = f"{path}.{name}" if path else name
-            if static and not (x is y or _equal(x, y)):
-                what = (
-                    f"another {type(x).__name__} object"
-                    if type(x) is type(y)
-                    else f"{_short(x)} vs {_short(y)}"
-                )
-                return f"the static field '{where}' differs ({what})"
-            found = None if static else _first_difference(x, y, where)
-            if found:
-                return found
+    found = _type_difference(a, b, path)
+    if found or not isinstance(a, _Static):
+        return found
+    x, y = a.value, b.value
+    if x is y or _equal(x, y):
         return None
-    if isinstance(a, dict | list | tuple):
-        keys_a = list(a) if isinstance(a, dict) else list(range(len(a)))
-        keys_b = list(b) if isinstance(b, dict) else list(range(len(b)))
-        if keys_a != keys_b:
-            return f"'{path}' has keys {_short(keys_a)} in one and {_short(keys_b)} in the other"
-        for key in keys_a:
-            found = _first_difference(a[key], b[key], f"{path}.{key}" if path else str(key))
-            if found:
-                return found
+    what = (
+        f"another {type(x).__name__} object" if type(x) is type(y) else f"{short(x)} vs {short(y)}"
+    )
+    return f"the static field '{_dotted(path)}' differs ({what})"
+
+
+def _node_difference(
+    a: Any, b: Any, pairs_a: list, pairs_b: list, path: tuple[Any, ...]
+) -> str | None:
+    found = _type_difference(a, b, path)
+    if found or isinstance(a, eqx.Module):
+        return found
+    keys_a, keys_b = [k for k, _ in pairs_a], [k for k, _ in pairs_b]
+    if keys_a != keys_b:
+        return f"'{_dotted(path)}' has keys {short(keys_a)} in one and {short(keys_b)} in the other"
     return None
 
 
@@ -248,11 +289,6 @@ def _equal(x: Any, y: Any) -> bool:
         return bool(x == y)
     except Exception:  # an array-valued or failing __eq__: not the same object, so different
         return False
-
-
-def _short(x: Any, limit: int = 80) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _same_leaves(a: PyTree, b: PyTree) -> bool:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
@@ -29,12 +30,14 @@ def as_saved(tree: Any) -> Any:
         fields = [f.name for f in dataclasses.fields(tree) if not f.metadata.get("static")]
         return {name: as_saved(getattr(tree, name)) for name in fields}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return {name: as_saved(value) for name, value in zip(tree._fields, tree, strict=True)}
+        return {
+            name: as_saved(value) for name, value in zip(cast(Any, tree)._fields, tree, strict=True)
+        }
     if isinstance(tree, dict):
         return {k: as_saved(v) for k, v in tree.items()}
     if type(tree) in (list, tuple):
         return type(tree)(as_saved(v) for v in tree)
-    if isinstance(tree, jax.Array) and not jax.dtypes.issubdtype(tree.dtype, jax.dtypes.prng_key):
+    if isinstance(tree, jax.Array) and not jnp.issubdtype(tree.dtype, jax.dtypes.prng_key):
         return np.asarray(tree)
     if callable(tree) and not isinstance(tree, jax.Array):
         return None

@@ -46,6 +46,8 @@ def test_retention_laws(history, keep_latest, keep_best, mode, every_n):
         )
         files: list[int] = []
         metrics: dict[int, float | None] = {}
+        ranked: list[int] = []
+        survivors: list[int | float] = []
         step = 0
         for gap, value in history:
             step += gap
@@ -61,10 +63,8 @@ def test_retention_laws(history, keep_latest, keep_best, mode, every_n):
             # The newest keep_latest are always there (resuming never breaks).
             assert set(saved[-keep_latest:]) <= set(survivors)
             # The best keep_best by the metric are there; NaN/missing never count.
-            ranked = sorted(
-                (s for s in saved if metrics[s] is not None and not math.isnan(metrics[s])),
-                key=lambda s: ((1 if mode == "min" else -1) * metrics[s], -s),
-            )
+            numbers = {s: m for s, m in metrics.items() if m is not None and not math.isnan(m)}
+            ranked = sorted(numbers, key=lambda s: ((1 if mode == "min" else -1) * numbers[s], -s))
             assert set(ranked[:keep_best]) <= set(survivors)
             # Nothing else survives except keep_every_n_steps picks.
             assert survivors == files

@@ -109,7 +109,7 @@ def test_stepped_is_piecewise_constant_with_flax_boundaries(base, steps_per_epoc
     boundaries = [round(e * steps_per_epoch) for e, _ in plan]
     passed = sum(b < step for b in boundaries)
     expected = base if passed == 0 else base * plan[passed - 1][1]
-    np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(schedule(step)), expected, rtol=1e-6)
 
 
 @given(template=ets.pytrees(), size=st.integers(1, 4), data=st.data())

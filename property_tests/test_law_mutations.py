@@ -22,7 +22,8 @@ DEFAULT_BUDGET = settings(
     database=None,
     derandomize=True,
     phases=[Phase.generate],
-    suppress_health_check=list(HealthCheck),
+    # hypothesis's enum metaclass hides from pyright that iterating gives its members
+    suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]
 )
 
 _RESTORE = checkpoints.restore_checkpoint
@@ -67,14 +68,15 @@ def _negative_zero(values):
     return (values == 0) & np.signbit(values)
 
 
-_negative_zero.value = lambda dtype: np.zeros((), dtype)
+# The value a mutation writes where its mask holds travels on the mask's function.
+_negative_zero.value = lambda dtype: np.zeros((), dtype)  # pyright: ignore[reportFunctionMemberAccess]
 
 
 def _nan(values):
     return np.isnan(values)
 
 
-_nan.value = lambda dtype: np.full((), np.nan, dtype)
+_nan.value = lambda dtype: np.full((), np.nan, dtype)  # pyright: ignore[reportFunctionMemberAccess]
 
 
 def _leave_one_unrestored(restored, target):

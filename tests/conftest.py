@@ -29,10 +29,10 @@ def without_type_checks():
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (SeaweedFS) on 127.0.0.1, one per test session.
 
-    Yields a `tests.s3_server.SeaweedS3` with `.endpoint_url`, `.key`, `.secret`,
+    Yields a `tests.support.s3_server.SeaweedS3` with `.endpoint_url`, `.key`, `.secret`,
     `.storage_options` (for `s3fs.S3FileSystem` / fsspec) and `.env` (the AWS variables,
     for subprocesses). Its process is killed when the session ends, however it ends."""
-    from tests.s3_server import SeaweedS3
+    from tests.support.s3_server import SeaweedS3
 
     # Under pytest's temporary root, which pytest prunes, in case the session is killed
     # before it can remove the data itself.
@@ -54,8 +54,8 @@ def s3_bucket(s3_server):
 @pytest.fixture
 def proxied(s3_server, s3_bucket):
     """(URL of a fresh run on `s3_server`, storage_options that reach it through a
-    `tests.fault_proxy.FaultProxy`, the proxy): for tests of lost and late answers."""
-    from tests.fault_proxy import FaultProxy
+    `tests.support.fault_proxy.FaultProxy`, the proxy): for tests of lost and late answers."""
+    from tests.support.fault_proxy import FaultProxy
 
     with FaultProxy(s3_server.endpoint_url, max_stall_s=30) as proxy:
         options = {

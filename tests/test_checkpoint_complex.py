@@ -22,6 +22,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_sharded, save_sharded
 from eqx_train.testing import assert_trees_equal
+from tests.support.helpers import latest_path
 
 
 def _float64(bits: int) -> float:
@@ -105,7 +106,7 @@ def test_complex_leaves_restore_onto_abstract_targets(tmp_path):
     }
     restored = checkpoints.restore_checkpoint(tmp_path, abstract)
     assert restored["a"].sharding == sharding and _bits(restored["a"]) == _bits(_c64())
-    if jax.config.jax_enable_x64:
+    if jax.config.jax_enable_x64:  # pyright: ignore[reportAttributeAccessIssue]  # set at run time
         assert _bits(restored["b"]) == _bits(_c128())
     else:  # JAX without x64 holds complex64: the abstract target asks for a cast
         assert restored["b"].dtype == jnp.complex64
@@ -123,7 +124,7 @@ def test_complex_leaves_round_trip_through_object_storage():
 
 def test_the_official_reader_reads_complex64_as_c64_and_complex128_as_float64_pairs(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"a": _c64(), "b": _c128(), "s": 1 + 2j}, 1)
-    path = checkpoints.latest_checkpoint(tmp_path)
+    path = latest_path(tmp_path)
     loaded = safetensors.numpy.load_file(path)
     assert loaded["a"].dtype == np.complex64 and _bits(loaded["a"]) == _bits(_c64())
     assert loaded["b"].dtype == np.float64 and loaded["b"].shape == (2, 3, 2)
@@ -137,7 +138,7 @@ def test_the_official_reader_reads_complex64_as_c64_and_complex128_as_float64_pa
 
 def test_a_file_without_complex128_has_no_complex128_list(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"a": _c64(), "f": np.ones(2)}, 1)
-    with open(checkpoints.latest_checkpoint(tmp_path), "rb") as f:
+    with open(latest_path(tmp_path), "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert "eqx_train.complex128" not in header["__metadata__"]
 
@@ -162,14 +163,14 @@ def test_only_a_file_holding_a_complex_tensor_is_written_as_format_version_2(
     tmp_path, tree, version
 ):
     checkpoints.save_checkpoint(tmp_path, tree, 1)
-    assert _format_version(checkpoints.latest_checkpoint(tmp_path)) == version
+    assert _format_version(latest_path(tmp_path)) == version
 
 
 def test_a_shards_index_of_complex_arrays_is_format_version_2(tmp_path):
     checkpoints.save_checkpoint_multiprocess(tmp_path / "c", {"a": _c64(), "f": np.ones(2)}, 1)
     checkpoints.save_checkpoint_multiprocess(tmp_path / "f", {"f": np.ones(2)}, 1)
     for name, version in (("c", "2"), ("f", "1")):
-        index = os.path.join(checkpoints.latest_checkpoint(tmp_path / name), "index.safetensors")
+        index = os.path.join(latest_path(tmp_path / name), "index.safetensors")
         assert _format_version(index) == version
 
 
@@ -197,7 +198,7 @@ def test_a_reader_of_version_1_refuses_complex_as_newer_and_its_manager_keeps_it
 
 def test_a_flipped_bit_in_a_complex128_tensor_fails_its_checksum_naming_it(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"b": np.full(4, 1 + 1j, np.complex128)}, 1)
-    path = checkpoints.latest_checkpoint(tmp_path)
+    path = latest_path(tmp_path)
     with open(path, "r+b") as f:
         f.seek(-3, os.SEEK_END)
         byte = f.read(1)
@@ -233,7 +234,7 @@ def _rewrite_header(path, edit):
 )
 def test_a_hostile_complex128_list_or_code_is_refused_naming_the_file(tmp_path, edit):
     checkpoints.save_checkpoint(tmp_path, {"b": np.ones(2, np.complex128), "f": np.ones(3)}, 1)
-    path = checkpoints.latest_checkpoint(tmp_path)
+    path = latest_path(tmp_path)
     _rewrite_header(path, edit)
     with pytest.raises(CheckpointFormatError, match="checkpoint_1.safetensors"):
         checkpoints.restore_checkpoint(path, None)
@@ -358,7 +359,7 @@ def _equinox_example():
 def test_equinox_example_with_a_complex_scalar_round_trips(tmp_path, where):
     tree, like = _equinox_example()
     checkpoints.save_checkpoint(tmp_path, tree, 1)
-    path = tmp_path if where == "directory" else checkpoints.latest_checkpoint(tmp_path)
+    path = tmp_path if where == "directory" else latest_path(tmp_path)
     loaded = checkpoints.restore_checkpoint(path, like)
     assert eqx.tree_equal(loaded[:-2], tree[:-2])
     assert loaded[4] == (True, 1, 1.0, 1 + 1j) and type(loaded[4][3]) is complex
@@ -424,7 +425,7 @@ def test_the_cli_inspects_verifies_and_diffs_complex_tensors_part_by_part(tmp_pa
     right = np.array([1 + 2j, complex(0.0, NAN_PAYLOAD)], np.complex128)  # only -0.0 differs
     checkpoints.save_checkpoint(tmp_path / "a", {"z": left, "y": _c64()}, 1)
     checkpoints.save_checkpoint(tmp_path / "b", {"z": right, "y": _c64()}, 1)
-    a = checkpoints.latest_checkpoint(tmp_path / "a")
+    a = latest_path(tmp_path / "a")
     inspected = _cli("inspect", a)
     assert inspected.returncode == 0 and "complex128[2]" in inspected.stdout
     assert "complex64[4]" in inspected.stdout

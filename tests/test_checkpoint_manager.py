@@ -16,7 +16,7 @@ from safetensors import safe_open
 from eqx_train import EarlyStopping, TrainState, checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _retention
-from tests.helpers import flip_last_byte, run_then_sigkill
+from tests.support.helpers import flip_last_byte, latest_path, run_then_sigkill
 
 
 def _state(value):
@@ -48,7 +48,7 @@ def test_options_are_validated_eagerly(tmp_path, kwargs, message):
 
 def test_unknown_mode_is_refused_naming_it(tmp_path, without_type_checks):
     with pytest.raises(ValueError, match="mode must be 'min' or 'max', got 'lowest'"):
-        CheckpointManager(tmp_path, mode="lowest")
+        CheckpointManager(tmp_path, mode="lowest")  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
 
 
 # ---------------------------------------------------------------- retention
@@ -123,7 +123,7 @@ def test_reading_metrics_reads_no_tensor_data(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
     manager.save(1, {"big": np.zeros((512, 1024), np.float32)}, metrics={"loss": 1.0})
 
-    with open(checkpoints.latest_checkpoint(tmp_path), "rb") as f:
+    with open(latest_path(tmp_path), "rb") as f:
         header_end = 8 + int.from_bytes(f.read(8), "little")
     real_preadv = os.preadv
 
@@ -141,7 +141,7 @@ def test_reading_metrics_reads_no_tensor_data(tmp_path, monkeypatch):
 def test_bad_metric_and_metadata_are_rejected(tmp_path, without_type_checks):
     manager = CheckpointManager(tmp_path)
     with pytest.raises(TypeError, match="metric 'loss' must be a number"):
-        manager.save(1, _state(1), metrics={"loss": "low"})
+        manager.save(1, _state(1), metrics={"loss": "low"})  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
     with pytest.raises(TypeError, match="JSON-serialisable"):
         manager.save(1, _state(1), metadata={"fn": print})
     assert manager.all_steps() == []
@@ -225,7 +225,10 @@ def test_async_failure_is_raised_by_next_save(tmp_path, monkeypatch):
     assert failed.wait(30)
     # Once the failed save has ended (a save still being written would have the next one
     # queued behind it, its error raised at the save or wait after that):
-    concurrent.futures.wait([manager._async.save_future], timeout=30)
+    assert manager._async is not None  # async_save
+    future = manager._async.save_future
+    assert future is not None  # the failed save's
+    concurrent.futures.wait([future], timeout=30)
     monkeypatch.undo()
     with pytest.raises(OSError, match="Read-only file system"):
         manager.save(2, _state(2))

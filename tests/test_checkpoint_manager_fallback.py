@@ -16,7 +16,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, UnreadableCheckpointWarning
 from eqx_train.checkpoints.pipeline import _directory
 from eqx_train.checkpoints.storage import _local
-from tests.helpers import flip_last_byte
+from tests.support.helpers import flip_last_byte
 from tests.test_docs_examples import DOCS, _blocks
 
 

@@ -16,8 +16,9 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _manager
 from eqx_train.checkpoints.pipeline import _coordination
+from tests.support.helpers import ROOT, SUPPORT, latest_path
 
-WORKER = os.path.join(os.path.dirname(__file__), "policies_worker.py")
+WORKER = os.path.join(SUPPORT, "policies_worker.py")
 
 
 def _state(step):
@@ -173,7 +174,7 @@ def test_time_policy_ignores_saves_that_failed(tmp_path, clock, without_type_che
     manager = CheckpointManager(tmp_path, save_interval_seconds=60)
     clock.now += 60
     with pytest.raises(TypeError, match="metric 'loss' must be a number"):
-        manager.save(1, _state(1), metrics={"loss": "low"})
+        manager.save(1, _state(1), metrics={"loss": "low"})  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
     assert manager.all_steps() == []
     assert manager.should_save(1)
 
@@ -243,6 +244,7 @@ def test_jax_preemption_sync_point_is_asked_every_call_and_saves_that_step(tmp_p
     monkeypatch.setattr(_coordination, "reached_preemption", reached_preemption)
     manager = CheckpointManager(tmp_path, save_interval_steps=100, handle_sigterm=False)
     saved = []
+    step = 0
     for step in range(1, 20):
         if manager.should_save(step):
             manager.save(step, _state(step))
@@ -288,7 +290,7 @@ def test_sigterm_makes_the_next_should_save_say_yes_and_chains(tmp_path, sigterm
         assert not manager.should_save(2)
         assert manager.preempted
     assert signal.getsignal(signal.SIGTERM) is guard
-    assert checkpoints.latest_checkpoint(tmp_path).endswith("checkpoint_2.safetensors")
+    assert latest_path(tmp_path).endswith("checkpoint_2.safetensors")
 
 
 def test_handle_sigterm_false_never_touches_signals(tmp_path, sigterm_guard):
@@ -386,9 +388,7 @@ def test_a_manager_reopened_after_all_closed_installs_the_handler_again(tmp_path
 
 def _start_worker(directory, steps):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, WORKER, str(directory), str(steps)],
         stdout=subprocess.PIPE,

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import threading
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -17,7 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from eqx_train import TrainState, checkpoints
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal, latest_path
 
 # ---------------------------------------------------------------- the file
 
@@ -111,7 +112,7 @@ def test_typed_and_raw_prng_keys_round_trip(tmp_path):
     }
     checkpoints.save_checkpoint(tmp_path, tree, 1)
     for target in (None, tree):
-        restored = checkpoints.restore_checkpoint(tmp_path, target)
+        restored: Any = checkpoints.restore_checkpoint(tmp_path, target)
         assert jnp.issubdtype(restored["typed"].dtype, jax.dtypes.prng_key)
         assert_trees_equal(restored["typed"], tree["typed"])
         assert_trees_equal(restored["typed_batch"], tree["typed_batch"])
@@ -194,14 +195,14 @@ def _touch_steps(tmp_path, steps, prefix="checkpoint_"):
 
 def test_ordering_is_numeric_for_ints(tmp_path):
     _touch_steps(tmp_path, [1, 2, 9, 10])
-    assert checkpoints.latest_checkpoint(tmp_path).endswith("checkpoint_10.safetensors")
+    assert latest_path(tmp_path).endswith("checkpoint_10.safetensors")
     assert checkpoints.available_steps(tmp_path) == [1, 2, 9, 10]
 
 
 def test_ordering_is_numeric_for_floats(tmp_path):
     _touch_steps(tmp_path, [0.0, 0.5, 1e5])
     # An integral float is spelled as the integer it equals: one step, one name.
-    assert checkpoints.latest_checkpoint(tmp_path).endswith("checkpoint_100000.safetensors")
+    assert latest_path(tmp_path).endswith("checkpoint_100000.safetensors")
     assert checkpoints.available_steps(tmp_path, step_type=float) == [0.0, 0.5, 1e5]
 
 
@@ -223,7 +224,7 @@ def test_stray_files_are_ignored(tmp_path):
     ):
         (tmp_path / name).write_text("not a checkpoint")
     assert checkpoints.available_steps(tmp_path) == [3]
-    assert checkpoints.latest_checkpoint(tmp_path).endswith("checkpoint_3.safetensors")
+    assert latest_path(tmp_path).endswith("checkpoint_3.safetensors")
     checkpoints.save_checkpoint(tmp_path, {"s": np.asarray(4)}, 4, keep=1)
     assert checkpoints.available_steps(tmp_path) == [4]
     assert (tmp_path / "checkpoint_notes.txt").exists()
@@ -278,7 +279,7 @@ def test_invalid_keep_is_rejected(tmp_path, keep):
 
 def test_non_int_keep_is_a_type_error(tmp_path, without_type_checks):
     with pytest.raises(TypeError, match="keep must be an int >= 1, got 1.5"):
-        checkpoints.save_checkpoint(tmp_path, {}, 1, keep=1.5)
+        checkpoints.save_checkpoint(tmp_path, {}, 1, keep=1.5)  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
     assert os.listdir(tmp_path) == []
 
 
@@ -403,7 +404,7 @@ def test_restoring_one_leaf_reads_only_its_bytes(tmp_path, monkeypatch):
             tmp_path, {"w3": np.zeros((256, 1024), np.float32)}, strict=False
         )
     np.testing.assert_array_equal(restored["w3"], big["w3"])
-    with open(checkpoints.latest_checkpoint(tmp_path), "rb") as f:
+    with open(latest_path(tmp_path), "rb") as f:
         header_bytes = 8 + int.from_bytes(f.read(8), "little")
     assert sum(read_bytes) == header_bytes + 256 * 1024 * 4
 
@@ -532,7 +533,9 @@ def test_async_error_is_raised_at_next_save(tmp_path, monkeypatch):
     assert failed.wait(timeout=30)
     # Once the failed save has ended (a save still being written would have the next one
     # queued behind it, and its error raised at the save or wait after), as in flax:
-    concurrent.futures.wait([manager.save_future], timeout=30)
+    future = manager.save_future
+    assert future is not None  # the failed save's
+    concurrent.futures.wait([future], timeout=30)
     monkeypatch.undo()
     with pytest.raises(OSError, match="EIO"):
         checkpoints.save_checkpoint(tmp_path, {"a": np.ones(3)}, 2, async_manager=manager)

@@ -15,7 +15,7 @@ import pytest
 import eqx_train
 from eqx_train import checkpoints
 from eqx_train.checkpoints import ConfigMismatchWarning
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 class Net(eqx.Module):
@@ -154,7 +154,7 @@ def test_configuration_missing_from_the_file_is_an_error_only_with_config_saved(
 def test_config_must_be_target_or_saved(tmp_path, without_type_checks):
     checkpoints.save_checkpoint(tmp_path, {"x": np.ones(1)}, 1)
     with pytest.raises(ValueError, match=r"config must be one of \('target', 'saved'\)"):
-        checkpoints.restore_checkpoint(tmp_path, {"x": np.ones(1)}, config="file")
+        checkpoints.restore_checkpoint(tmp_path, {"x": np.ones(1)}, config="file")  # pyright: ignore[reportCallIssue, reportArgumentType]  # a wrong value on purpose
 
 
 def test_manager_save_with_filter_spec_saves_arrays_only(tmp_path):
@@ -183,7 +183,7 @@ def test_manager_restore_refuses_an_unknown_config_on_every_path(tmp_path, witho
     manager.save(1, _state(p=0.1, seed=1), metrics={"loss": 1.0})
     for step, fallback in [(None, True), (None, False), (1, True), ("best", True)]:
         with pytest.raises(ValueError, match=r"config must be one of .*'taget'"):
-            manager.restore(_state(p=0.3), step, config="taget", fallback=fallback)
+            manager.restore(_state(p=0.3), step, config="taget", fallback=fallback)  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
 
 
 def test_manager_restore_of_the_best_passes_config(tmp_path):

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +75,8 @@ def test_an_interrupt_just_after_a_group_is_taken_stops_the_restore_and_frees_it
     finally:
         watchdog.done.set()
         if interrupt is SystemExit:
-            signal.signal(signal.SIGINT, previous)
+            # set above, where interrupt is SystemExit too
+            signal.signal(signal.SIGINT, previous)  # pyright: ignore[reportPossiblyUnboundVariable]
     elapsed = time.perf_counter() - start
     assert taken[0] is True  # the hook ran in the restoring thread, on the first group
     assert not watchdog.fired and elapsed < 10, f"the restore hung for {elapsed:.1f} s"
@@ -166,6 +168,7 @@ def test_an_interrupt_while_waiting_for_an_async_save_leaves_it_tracked(
     tmp_path, monkeypatch, wait
 ):
     go, writing = _writer_that_fails_when_told(monkeypatch)
+    manager: Any  # a CheckpointManager or an AsyncManager, each used as its own kind below
     if wait == "manager close":
         manager = checkpoints.CheckpointManager(tmp_path / "m", async_save=True)
         manager.save(1, _state())

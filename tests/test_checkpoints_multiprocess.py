@@ -5,12 +5,13 @@ import os
 import re
 import shutil
 import sys
+from typing import cast
 
 import pytest
 
-from tests.helpers import free_port, run_processes
+from tests.support.helpers import ROOT, SUPPORT, free_port, run_processes
 
-WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+WORKER = os.path.join(SUPPORT, "multiprocess_worker.py")
 TIMEOUT_S = 90
 
 
@@ -22,9 +23,7 @@ def _run_job(mode, count, *dirs, expected_exit=None, extra_env=None):
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(extra_env or {})
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     argv = [sys.executable, WORKER, mode]
     results = run_processes(
         [([*argv, str(i), str(count), port, *map(str, dirs)], env) for i in range(count)],
@@ -46,7 +45,10 @@ def test_two_processes_save_retain_overwrite_restore_and_reshard_both_ways(tmp_p
     # The overwrite left the index and one piece file per process, all of the new save.
     files = sorted(os.listdir(saved / "checkpoint_2.shards"))
     assert files[0] == "index.safetensors" and len(files) == 3, files
-    tokens = {re.fullmatch(r"process_0000[01]\.(.+)\.safetensors", f)[1] for f in files[1:]}
+    tokens = {
+        cast(re.Match, re.fullmatch(r"process_0000[01]\.(.+)\.safetensors", f))[1]
+        for f in files[1:]
+    }
     assert len(tokens) == 1, files
     _run_job("reshard_to_one", 1, saved, back)
     _run_job("reshard_back", 2, back)
@@ -197,7 +199,9 @@ def _written(shards_dir):
 
 def _read(outputs, label="READ"):
     """The piece bytes each process says it read (its `label` line)."""
-    return [int(re.search(rf"^{label} \d+ (\d+)$", out, re.M)[1]) for out in outputs]
+    return [
+        int(cast(re.Match, re.search(rf"^{label} \d+ (\d+)$", out, re.M))[1]) for out in outputs
+    ]
 
 
 def _arrays_table(shards_dir):
@@ -302,7 +306,7 @@ def test_a_capped_proxy_holds_its_rate_and_counts_every_byte_each_way(s3_server,
 
     import s3fs
 
-    from tests.fault_proxy import FaultProxy
+    from tests.support.fault_proxy import FaultProxy
 
     body = os.urandom(256 << 10)
     with FaultProxy(s3_server.endpoint_url, rate_bytes_per_s=1 << 20) as proxy:

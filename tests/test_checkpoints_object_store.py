@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any, cast
 
 import equinox as eqx
 import fsspec
@@ -22,7 +23,7 @@ import pytest
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints.format import _format, _names
 from eqx_train.checkpoints.storage import _fsspec, _locations
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 @pytest.fixture(params=["memory", "s3"])
@@ -110,7 +111,9 @@ def test_async_save_to_a_url_through_async_manager(location):
     checkpoints.save_checkpoint(
         url, {"x": np.arange(4)}, 1, async_manager=async_manager, storage_options=options
     )
-    async_manager.save_future.result()
+    future = async_manager.save_future
+    assert future is not None  # the save just started
+    future.result()
     assert checkpoints.available_steps(url, storage_options=options) == [1]
 
 
@@ -173,7 +176,7 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_and_no_object(location, 
 def test_a_corrupted_object_fails_its_checksum(location):
     url, options = location
     path = checkpoints.save_checkpoint(url, {"x": np.arange(1000.0)}, 1, storage_options=options)
-    store, _ = _locations.resolve(url, options, caller="test")
+    store: Any = _locations.resolve(url, options, caller="test")[0]  # its .fs, below
     data = bytearray(store.fs.cat_file(store.strip(path)))
     data[-3] ^= 0xFF
     store.fs.pipe_file(store.strip(path), bytes(data))
@@ -424,7 +427,7 @@ def test_sigkill_mid_upload_keeps_the_previous_checkpoint_and_the_next_save_clea
     assert (
         out.index("OLD-SAVED") < out.index("KILL-POINT after part 1") and "UNREACHABLE" not in out
     )
-    store, _ = _locations.resolve(url, options, caller="test")
+    store: Any = _locations.resolve(url, options, caller="test")[0]  # its .fs, below
     bucket = s3_bucket.split("://")[1]
     pending = store.fs.list_multipart_uploads(bucket)
     # Proof that the kill landed mid-upload: a multipart upload of step 2 is open.
@@ -433,7 +436,10 @@ def test_sigkill_mid_upload_keeps_the_previous_checkpoint_and_the_next_save_clea
     # checkpoint name).
     names = sorted(i.name for i in store.list(url))
     assert names[1] == "checkpoint_1.safetensors" and len(names) == 2, names
-    assert _names.parse_temp(names[0])[::2] == ("checkpoint_2.safetensors", child_pid(out))
+    assert cast(tuple, _names.parse_temp(names[0]))[::2] == (
+        "checkpoint_2.safetensors",
+        child_pid(out),
+    )
     assert checkpoints.available_steps(url, storage_options=options) == [1]
     np.testing.assert_array_equal(
         checkpoints.restore_checkpoint(url, None, storage_options=options)["x"], np.zeros(10)
@@ -483,8 +489,9 @@ def test_cleanup_never_aborts_the_upload_of_a_live_writer(s3_server, s3_bucket):
         [sys.executable, "-c", LIVE_UPLOAD, url, json.dumps(options)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=s3_server.env,
     ) as writer:  # fmt: skip
+        assert writer.stdin is not None and writer.stdout is not None  # both are pipes
         assert writer.stdout.readline() == "PAUSED after part 1\n"
-        store, _ = _locations.resolve(url, options, caller="test")
+        store: Any = _locations.resolve(url, options, caller="test")[0]  # its .fs, below
         bucket = s3_bucket.split("://")[1]
         assert len(store.fs.list_multipart_uploads(bucket)) == 1  # mid-upload, for sure
         with checkpoints.CheckpointManager(url, keep_latest=5, storage_options=options) as m:

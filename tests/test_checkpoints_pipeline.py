@@ -18,12 +18,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _snapshot, _transfer, _window
-from tests.helpers import assert_trees_equal, hold_the_writer
+from tests.support.helpers import assert_trees_equal, hold_the_writer
 
 MiB = 1 << 20
 
 
-def _device_state(leaves=16, leaf_mib=1, seed=0):
+def _device_state(leaves=16, leaf_mib: float = 1, seed=0):
     """Float32 leaves on the devices: most on one device, one sharded over all 8."""
     mesh = Mesh(np.array(jax.devices()), ("d",))
     n = int(leaf_mib * MiB) // 4
@@ -269,11 +269,11 @@ def test_async_save_falls_back_to_a_host_snapshot_when_device_memory_is_short(
 def test_snapshot_and_window_options_are_refused_naming_the_value(tmp_path, without_type_checks):
     state = {"w": np.zeros(3)}
     with pytest.raises(ValueError, match=r"save_checkpoint: snapshot must be one of.*'pinned'"):
-        checkpoints.save_checkpoint(tmp_path, state, 1, snapshot="pinned")
+        checkpoints.save_checkpoint(tmp_path, state, 1, snapshot="pinned")  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
     with pytest.raises(ValueError, match=r"save_checkpoint: host_window_bytes .* got 0"):
         checkpoints.save_checkpoint(tmp_path, state, 1, host_window_bytes=0)
     with pytest.raises(ValueError, match=r"CheckpointManager: snapshot must be one of"):
-        checkpoints.CheckpointManager(tmp_path, snapshot="gpu")
+        checkpoints.CheckpointManager(tmp_path, snapshot="gpu")  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
     with pytest.raises(ValueError, match=r"restore_checkpoint: host_window_bytes .* got -1"):
         checkpoints.restore_checkpoint(tmp_path, state, host_window_bytes=-1)
     assert not list(tmp_path.iterdir())  # nothing written

@@ -7,6 +7,7 @@ devices once per window group, not once per leaf.
 
 import os
 import threading
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -19,7 +20,7 @@ import safetensors.numpy
 from eqx_train import TrainState, checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _restore, _snapshot, _transfer, _window
-from tests.helpers import assert_trees_equal, hold_the_writer
+from tests.support.helpers import assert_trees_equal, hold_the_writer
 
 LEAF = 256 << 10  # bytes of each leaf below
 
@@ -139,7 +140,7 @@ def test_a_leaf_that_cannot_be_placed_is_named_with_the_others_in_one_error(tmp_
     saved = _state(leaves=8)
     checkpoints.save_checkpoint(tmp_path, saved, 1)
     # Every leaf matches by shape and dtype; two of them cannot be placed as the target says.
-    target = dict(saved)
+    target: dict[str, Any] = dict(saved)
     for name in ("l2", "l5"):
         target[name] = np.zeros(LEAF // 4, np.float32)
     real = _restore.place

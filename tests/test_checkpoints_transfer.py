@@ -119,7 +119,7 @@ def test_pinned_buffers_survive_a_donating_step_and_are_let_go_once_released():
         np.testing.assert_array_equal(snap.get(), expected[snap.name])
     np.testing.assert_array_equal(np.asarray(new["w"]), expected["w"] * 3 + 1)
     for snap in snaps:
-        snap.get.release()
+        snap.get.release()  # pyright: ignore[reportFunctionMemberAccess]  # get carries it
     step(state)  # nothing holds the buffers now: really donated
     assert all(leaf.is_deleted() for leaf in state.values())
 

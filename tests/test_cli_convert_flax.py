@@ -14,7 +14,7 @@ from eqx_train.checkpoints import (  # noqa: E402
     restore_checkpoint,
     save_checkpoint,
 )
-from tests.helpers import assert_trees_equal  # noqa: E402
+from tests.support.helpers import assert_trees_equal  # noqa: E402
 
 # flax announces its msgpack checkpoints' deprecation on every save; these tests need them.
 pytestmark = pytest.mark.filterwarnings("ignore:Flax Checkpointing will soon be deprecated")

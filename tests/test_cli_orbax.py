@@ -15,7 +15,7 @@ import pytest
 from eqx_train._cli import main
 from eqx_train.checkpoints import available_steps, restore_checkpoint, save_checkpoint
 from eqx_train.interop import load_orbax_checkpoint
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

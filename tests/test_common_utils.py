@@ -1,5 +1,7 @@
 """common_utils: flax's results, non-array leaves, host NumPy metrics, clear errors."""
 
+from typing import cast
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from flax.training import common_utils as flax_cu
 
 from eqx_train import checkpoints, common_utils
 from eqx_train.common_utils import numpy_rng_from_state, numpy_rng_state
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def test_shard_matches_flax():
@@ -122,7 +124,7 @@ def test_numpy_rng_survives_a_checkpoint_and_continues_the_same_stream(tmp_path,
     expected = (rng.random(5), rng.integers(0, 2**32, size=5, dtype=np.uint32), rng.normal())
     template = {"rng": numpy_rng_state(np.random.Generator(getattr(np.random, name)(0)))}
     for target in (None, template):
-        restored = checkpoints.restore_checkpoint(tmp_path, target)["rng"]
+        restored = cast(dict, checkpoints.restore_checkpoint(tmp_path, target))["rng"]
         again = numpy_rng_from_state(restored)
         got = (again.random(5), again.integers(0, 2**32, size=5, dtype=np.uint32), again.normal())
         assert_trees_equal(got, expected)

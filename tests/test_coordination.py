@@ -1,6 +1,6 @@
 """Multi-process coordination on JAX's coordination service (eqx_train/checkpoints/
 _coordination.py): in this process (one process, no jax.distributed) and in 2 real
-jax.distributed processes on 127.0.0.1 (tests/coordination_worker.py)."""
+jax.distributed processes on 127.0.0.1 (tests/support/coordination_worker.py)."""
 
 import os
 import re
@@ -12,9 +12,9 @@ import jax
 import pytest
 
 from eqx_train.checkpoints.pipeline import _coordination as co
-from tests.helpers import free_port, run_processes
+from tests.support.helpers import ROOT, SUPPORT, free_port, run_processes
 
-WORKER = os.path.join(os.path.dirname(__file__), "coordination_worker.py")
+WORKER = os.path.join(SUPPORT, "coordination_worker.py")
 TIMEOUT_S = 60
 
 
@@ -22,9 +22,7 @@ def _run_pair(mode):
     """Runs the 2 processes of `mode`; returns [(returncode, output), ...] by process."""
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return run_processes(
         [([sys.executable, WORKER, mode, str(i), port], env) for i in range(2)], TIMEOUT_S
     )

@@ -5,11 +5,12 @@ import json
 import os
 import re
 import sys
+from typing import cast
 
 import numpy as np
 import pytest
 
-from tests.helpers import free_port, run_processes
+from tests.support.helpers import free_port, run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -66,7 +67,8 @@ def test_multi_host_page_saves_and_reshards_across_two_processes(tmp_path):
     files = sorted(os.listdir(ckpt_dir / "checkpoint_1000.shards"))
     assert files[0] == "index.safetensors" and len(files) == 3, files
     assert [
-        re.fullmatch(r"process_0000([01])\.[0-9a-f-]+\.safetensors", f)[1] for f in files[1:]
+        cast(re.Match, re.fullmatch(r"process_0000([01])\.[0-9a-f-]+\.safetensors", f))[1]
+        for f in files[1:]
     ] == [
         "0",
         "1",

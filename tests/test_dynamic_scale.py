@@ -8,7 +8,7 @@ import pytest
 from flax.training import dynamic_scale as flax_dynamic_scale
 
 from eqx_train import DynamicScale
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 # Finite (True) and overflowing (False) steps: runs long enough to grow the scale with
 # growth_interval=2, and overflows back to back to shrink it twice in a row.
@@ -112,12 +112,16 @@ def test_filters_an_equinox_model_like_filter_value_and_grad():
         np.testing.assert_allclose(g, p, rtol=1e-6, atol=1e-7)
 
 
+def _sum_of_b(params: dict[str, jax.Array]) -> jax.Array:
+    return jnp.sum(params["b"])
+
+
 def test_backoff_stops_at_minimum_scale_and_growth_at_float32_max():
     floor = DynamicScale(scale=3.0, minimum_scale=2.0)
     floor, *_ = floor.value_and_grad(_loss)(PARAMS, jnp.float16(jnp.inf))
     assert float(floor.scale) == 2.0
     top = DynamicScale(scale=float(jnp.finfo(jnp.float32).max), growth_interval=0)
-    top, is_finite, _, _ = top.value_and_grad(lambda p: jnp.sum(p["b"]))(PARAMS)
+    top, is_finite, _, _ = top.value_and_grad(_sum_of_b)(PARAMS)
     assert bool(is_finite) and float(top.scale) == float(jnp.finfo(jnp.float32).max)
 
 
@@ -165,7 +169,7 @@ def test_rejects_bad_configuration_naming_the_field(kwargs, message):
 def test_rejects_a_non_integer_growth_interval_naming_it():
     # A TypeError: ours, or jaxtyping's when its runtime type checking is on (both name it).
     with pytest.raises(TypeError, match=r"growth_interval"):
-        DynamicScale(growth_interval=2.5)
+        DynamicScale(growth_interval=2.5)  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
 
 
 def test_accepts_integers_for_the_numeric_configuration():

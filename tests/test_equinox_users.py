@@ -2,6 +2,7 @@
 markers, typed keys named by implementation, and the manager's messages."""
 
 import warnings
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -16,7 +17,7 @@ from eqx_train.checkpoints import (
     restore_checkpoint,
     save_checkpoint,
 )
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def _norm(**kwargs):
@@ -102,7 +103,7 @@ def test_bfloat16_batchnorm_runs_in_inference_after_a_target_none_round_trip(tmp
 # ------------------------------------------------------------------------- eqx.nn.State
 
 
-def _state_of(*names):
+def _state_of(*names) -> tuple[Any, eqx.nn.State]:
     """A model with a BatchNorm per name (class `Model` either way, as when a stateful
     layer is added to a model's code), and its state with distinct statistics."""
     fields = {name: eqx.nn.BatchNorm for name in names}

@@ -128,7 +128,7 @@ def test_interop_and_the_command_line_use_only_exported_names():
     checked = {
         name: entry
         for name, entry in modules.items()
-        if name.startswith("eqx_train.interop") or name == "eqx_train._cli"
+        if name.startswith(("eqx_train.interop", "eqx_train._cli"))
     }
     assert "eqx_train._cli" in checked and "eqx_train.interop._hf" in checked
     problems = {

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -19,7 +19,7 @@ import pytest
 
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_flax_checkpoint
-from tests.helpers import assert_identical
+from tests.support.helpers import assert_identical
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_train_state_params_and_opt_state_match_flax(flax_checkpoints, tmp_path)
     assert set(ours) == {"step", "params", "opt_state"}
     adam = ours["opt_state"]["0"]  # (ScaleByAdamState, EmptyState) as flax's state dict
     np.testing.assert_array_equal(
-        adam["mu"]["dense"]["kernel"], state.opt_state[0].mu["dense"]["kernel"]
+        adam["mu"]["dense"]["kernel"], cast(Any, state.opt_state)[0].mu["dense"]["kernel"]
     )
 
 
@@ -164,7 +164,7 @@ def test_orbax_directory_is_refused_with_how_to_read_it(tmp_path):
 
 
 def _ndarray_ext(shape: Any, dtype: Any, data: bytes) -> msgpack.ExtType:
-    return msgpack.ExtType(1, msgpack.packb((shape, dtype, data), use_bin_type=True))
+    return msgpack.ExtType(1, _pack((shape, dtype, data), use_bin_type=True))
 
 
 def _write(tmp_path, raw: bytes) -> str:
@@ -173,11 +173,16 @@ def _write(tmp_path, raw: bytes) -> str:
     return str(path)
 
 
-VALID = msgpack.packb(
+def _pack(value: Any, **options: Any) -> bytes:
+    """`msgpack.packb`, whose stubs allow None (for a Packer without autoreset only)."""
+    return cast(bytes, msgpack.packb(value, **options))
+
+
+VALID = _pack(
     {
         "w": _ndarray_ext((2, 2), "float32", bytes(16)),
         "n": 3,
-        "c": msgpack.ExtType(2, msgpack.packb((1.0, 2.0))),
+        "c": msgpack.ExtType(2, _pack((1.0, 2.0))),
     }
 )
 
@@ -185,27 +190,23 @@ HOSTILE = {
     "empty": b"",
     "text": b"not a checkpoint at all \xc1",
     "trailing bytes": VALID + b"\x00",
-    "unknown extension type": msgpack.packb({"x": msgpack.ExtType(42, b"abc")}),
+    "unknown extension type": _pack({"x": msgpack.ExtType(42, b"abc")}),
     "timestamp extension": b"\x81\xa1x\xd6\xff" + b"\x00" * 4,  # fixext4 of type -1
     "nested 100000 deep": b"\x91" * 100_000 + b"\x00",
     "array of 2**32-1 entries": b"\xdd\xff\xff\xff\xff\x00",
     "map of 2**32-1 entries": b"\xdf\xff\xff\xff\xff\x00",
     "bin of 4 GiB": b"\xc6\xff\xff\xff\xff" + b"\x00" * 8,
     "ext of 4 GiB": b"\xc9\xff\xff\xff\xff\x01" + b"\x00" * 8,
-    "shape larger than data": msgpack.packb(
-        {"w": _ndarray_ext((2**40, 2**20), "float32", bytes(16))}
-    ),
-    "negative shape": msgpack.packb({"w": _ndarray_ext((-4,), "float32", bytes(16))}),
-    "object dtype": msgpack.packb({"w": _ndarray_ext((2,), "O", bytes(16))}),
-    "string dtype": msgpack.packb({"w": _ndarray_ext((2,), "U2", bytes(16))}),
-    "structured dtype": msgpack.packb({"w": _ndarray_ext((2,), "f4,f4", bytes(16))}),
-    "ndarray not a triple": msgpack.packb({"w": msgpack.ExtType(1, msgpack.packb((1, 2)))}),
-    "complex not a pair": msgpack.packb({"c": msgpack.ExtType(2, msgpack.packb("x"))}),
+    "shape larger than data": _pack({"w": _ndarray_ext((2**40, 2**20), "float32", bytes(16))}),
+    "negative shape": _pack({"w": _ndarray_ext((-4,), "float32", bytes(16))}),
+    "object dtype": _pack({"w": _ndarray_ext((2,), "O", bytes(16))}),
+    "string dtype": _pack({"w": _ndarray_ext((2,), "U2", bytes(16))}),
+    "structured dtype": _pack({"w": _ndarray_ext((2,), "f4,f4", bytes(16))}),
+    "ndarray not a triple": _pack({"w": msgpack.ExtType(1, _pack((1, 2)))}),
+    "complex not a pair": _pack({"c": msgpack.ExtType(2, _pack("x"))}),
     "list as map key": b"\x81\x91\x00\x00",
-    "chunked without chunks": msgpack.packb(
-        {"a": {"__msgpack_chunked_array__": True, "shape": {"0": 4}}}
-    ),
-    "chunks not making the shape": msgpack.packb(
+    "chunked without chunks": _pack({"a": {"__msgpack_chunked_array__": True, "shape": {"0": 4}}}),
+    "chunks not making the shape": _pack(
         {
             "a": {
                 "__msgpack_chunked_array__": True,
@@ -215,10 +216,8 @@ HOSTILE = {
         }
     ),
     "invalid utf-8 key": b"\x81\xa2\xff\xfe\x00",
-    "empty array with an impossible shape": msgpack.packb(
-        {"w": _ndarray_ext((0, 2**63), "float32", b"")}
-    ),
-    "empty chunked array with an impossible shape": msgpack.packb(
+    "empty array with an impossible shape": _pack({"w": _ndarray_ext((0, 2**63), "float32", b"")}),
+    "empty chunked array with an impossible shape": _pack(
         {
             "a": {
                 "__msgpack_chunked_array__": True,
@@ -227,7 +226,7 @@ HOSTILE = {
             }
         }
     ),
-    "chunked shape keyed by a wrong index": msgpack.packb(
+    "chunked shape keyed by a wrong index": _pack(
         {
             "a": {
                 "__msgpack_chunked_array__": True,
@@ -236,7 +235,7 @@ HOSTILE = {
             }
         }
     ),
-    "chunked shape not an int": msgpack.packb(
+    "chunked shape not an int": _pack(
         {
             "a": {
                 "__msgpack_chunked_array__": True,
@@ -245,7 +244,7 @@ HOSTILE = {
             }
         }
     ),
-    "chunked negative shape": msgpack.packb(
+    "chunked negative shape": _pack(
         {
             "a": {
                 "__msgpack_chunked_array__": True,
@@ -254,8 +253,8 @@ HOSTILE = {
             }
         }
     ),
-    "dtype name of a module attribute": msgpack.packb({"w": _ndarray_ext((2,), "_np", bytes(8))}),
-    "dtype name __builtins__": msgpack.packb({"w": _ndarray_ext((2,), "__builtins__", bytes(8))}),
+    "dtype name of a module attribute": _pack({"w": _ndarray_ext((2,), "_np", bytes(8))}),
+    "dtype name __builtins__": _pack({"w": _ndarray_ext((2,), "__builtins__", bytes(8))}),
 }
 
 
@@ -291,7 +290,7 @@ def test_a_file_of_more_containers_than_the_limit_is_refused(tmp_path, monkeypat
 
 @pytest.mark.parametrize("value", [5, None, "text", 2.5])
 def test_a_bare_scalar_at_the_root_comes_back_as_flax_returns_it(flax_checkpoints, tmp_path, value):
-    path = _write(tmp_path, msgpack.packb(value))
+    path = _write(tmp_path, _pack(value))
     assert load_flax_checkpoint(path) == flax_checkpoints.restore_checkpoint(path, None)
 
 
@@ -304,7 +303,7 @@ def test_every_truncation_of_a_valid_file_raises_format_error(tmp_path):
 
 
 def test_multiprocess_array_placeholder_is_refused(tmp_path):
-    path = _write(tmp_path, msgpack.packb({"w": "//GDAPlaceholder:w"}))
+    path = _write(tmp_path, _pack({"w": "//GDAPlaceholder:w"}))
     with pytest.raises(CheckpointFormatError, match="multi-process array"):
         load_flax_checkpoint(path)
 

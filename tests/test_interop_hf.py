@@ -17,7 +17,7 @@ from eqx_train.checkpoints import (
     restore_checkpoint,
 )
 from eqx_train.interop import load_sharded, save_sharded
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 INDEX = "model.safetensors.index.json"
 

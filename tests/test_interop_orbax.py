@@ -21,12 +21,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eqx_train import TrainState
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_orbax_checkpoint
-from tests.helpers import assert_identical, assert_trees_equal, free_port, run_processes
-from tests.orbax_values import two_process_values
+from tests.support.helpers import (
+    ROOT,
+    SUPPORT,
+    assert_identical,
+    assert_trees_equal,
+    free_port,
+    run_processes,
+)
+from tests.support.orbax_values import two_process_values
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
-WORKER = os.path.join(os.path.dirname(__file__), "orbax_worker.py")
+WORKER = os.path.join(SUPPORT, "orbax_worker.py")
 
 
 def orbax_restore(path: Any) -> Any:
@@ -230,9 +237,7 @@ def test_a_single_default_item_needs_no_item_name(tmp_path):
 def test_reads_a_two_process_orbax_save_bit_for_bit(tmp_path):
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     results = run_processes(
         [([sys.executable, WORKER, str(i), "2", port, str(tmp_path)], env) for i in range(2)],
         120,

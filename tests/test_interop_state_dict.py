@@ -15,7 +15,7 @@ import pytest
 from eqx_train.checkpoints import save_checkpoint
 from eqx_train.checkpoints.format._format import FileReader
 from eqx_train.interop import LoadReport, from_state_dict, to_state_dict
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 class Net(eqx.Module):
@@ -33,7 +33,7 @@ class Net(eqx.Module):
         self.norm = eqx.nn.LayerNorm(4)
         self.embed = eqx.nn.Embedding(5, 4, key=k2)
         self.layers = [eqx.nn.Linear(4, 4, key=k3), eqx.nn.Linear(4, 2, use_bias=False, key=k4)]
-        self.scale = np.float32([2.0])
+        self.scale = np.array([2.0], np.float32)
 
 
 NET_NAMES = {
@@ -82,6 +82,7 @@ def test_to_state_dict_exports_conv_bias_in_pytorch_shape_and_copies():
     weights = np.ones(4, np.float32)
     state = to_state_dict({"conv": conv, "w": weights})
     assert state["conv.bias"].shape == (3,)
+    assert conv.bias is not None
     np.testing.assert_array_equal(state["conv.bias"], conv.bias.reshape(-1))
     state["w"][0] = 5.0
     assert weights[0] == 1.0
@@ -91,6 +92,7 @@ def test_round_trip_restores_bit_for_bit_keeping_leaf_types():
     saved = Net(jax.random.key(0))
     loaded = from_state_dict(Net(jax.random.key(1)), to_state_dict(saved))
     assert_trees_equal(loaded, saved)
+    assert loaded.conv.bias is not None
     assert isinstance(loaded.conv.weight, jax.Array) and loaded.conv.bias.shape == (3, 1, 1)
     assert type(loaded.scale) is np.ndarray
 
@@ -196,7 +198,7 @@ def test_a_value_of_another_type_is_refused_naming_its_key(without_type_checks):
     with pytest.raises(TypeError, match="state dict entry 'w' is a list"):
         from_state_dict({"w": np.zeros(2)}, {"w": [1.0, 2.0]})
     with pytest.raises(TypeError, match="keys must be str"):
-        from_state_dict({"w": np.zeros(2)}, {0: np.zeros(2)})
+        from_state_dict({"w": np.zeros(2)}, {0: np.zeros(2)})  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
 
 
 def test_colliding_names_in_the_tree_are_refused():

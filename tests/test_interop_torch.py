@@ -51,7 +51,7 @@ def test_torch_sequential_mlp_loads_with_a_key_map_and_gives_the_same_outputs():
     key_map = lambda k: f"layers.{int(k.split('.')[0]) // 2}.{k.split('.')[1]}"
     model = from_state_dict(eqx_mlp(), torch_mlp.state_dict(), key_map=key_map)
     x = np.random.default_rng(0).standard_normal((5, 4), dtype=np.float32)
-    np.testing.assert_allclose(jax.vmap(model)(x), run_torch(torch_mlp, x), atol=ATOL)
+    np.testing.assert_allclose(jax.vmap(model)(jnp.asarray(x)), run_torch(torch_mlp, x), atol=ATOL)
 
 
 class TorchMLP(nn.Module):
@@ -72,7 +72,7 @@ def test_exported_mlp_loads_into_torch_strictly_with_the_same_outputs():
     torch_mlp = TorchMLP()
     torch_mlp.load_state_dict(to_torch(to_state_dict(model)), strict=True)
     x = np.random.default_rng(1).standard_normal((5, 4), dtype=np.float32)
-    np.testing.assert_allclose(run_torch(torch_mlp, x), jax.vmap(model)(x), atol=ATOL)
+    np.testing.assert_allclose(run_torch(torch_mlp, x), jax.vmap(model)(jnp.asarray(x)), atol=ATOL)
 
 
 # -------------------------------------------------------------------------------- ConvNet
@@ -104,6 +104,7 @@ class TorchConvNet(nn.Module):
 def test_torch_convnet_loads_and_gives_the_same_outputs():
     torch_net = TorchConvNet()
     model = from_state_dict(ConvNet(jax.random.key(0)), torch_net.state_dict())
+    assert model.conv.bias is not None
     assert model.conv.bias.shape == (4, 1, 1)  # torch's (4,) reshaped to Equinox's layout
     x = np.random.default_rng(2).standard_normal((2, 3, 6, 6), dtype=np.float32)
     np.testing.assert_allclose(jax.vmap(model)(x), run_torch(torch_net, x), atol=ATOL)

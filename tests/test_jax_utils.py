@@ -1,6 +1,7 @@
 """jax_utils: flax's results for replicate/unreplicate/pad_shard_unpad/prefetch/partial eval."""
 
 import warnings
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -12,7 +13,7 @@ from flax import jax_utils as flax_jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqx_train import TrainState, checkpoints, jax_utils, shard, shard_to_mesh
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
 def _model():
@@ -76,7 +77,7 @@ def test_replicated_model_runs_under_filter_pmap():
         return jax.vmap(model)(x)
 
     out = forward(jax_utils.replicate(model), x)
-    np.testing.assert_allclose(out, jax.vmap(jax.vmap(model))(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, jax.vmap(jax.vmap(model))(jnp.asarray(x)), rtol=1e-5, atol=1e-6)
 
 
 def test_replicated_arrays_feed_jax_pmap_with_partitioned_model():
@@ -96,7 +97,7 @@ def test_replicate_to_device_subset():
     devices = jax.local_devices()[2:5]
     replicated = jax_utils.replicate({"a": np.ones(2)}, devices=devices)
     assert replicated["a"].shape == (3, 2)
-    assert {s.device for s in replicated["a"].addressable_shards} == set(devices)
+    assert {s.device for s in cast(jax.Array, replicated["a"]).addressable_shards} == set(devices)
 
 
 def test_unreplicate_returns_one_replica_and_keeps_non_array_leaves():
@@ -108,7 +109,7 @@ def test_unreplicate_returns_one_replica_and_keeps_non_array_leaves():
 
 def test_unreplicate_reads_from_first_device_without_gathering():
     replicated = jax_utils.replicate({"w": np.arange(4.0)})
-    one = jax_utils.unreplicate(replicated)["w"]
+    one = cast(jax.Array, jax_utils.unreplicate(replicated)["w"])
     assert one.devices() == {jax.local_devices()[0]}
 
 
@@ -148,7 +149,7 @@ def test_pad_shard_unpad_matches_unpadded_function_and_flax(batch):
     theirs = flax_jax_utils.pad_shard_unpad(forward)(replicated, x)
     assert ours.shape == (batch, 2)
     np.testing.assert_array_equal(ours, theirs)
-    np.testing.assert_allclose(ours, jax.vmap(model)(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours, jax.vmap(model)(jnp.asarray(x)), rtol=1e-5, atol=1e-6)
 
 
 def test_min_device_batch_pads_every_call_to_one_shape():
@@ -228,7 +229,7 @@ def test_mesh_path_runs_jit_with_batch_sharded_input(batch):
     x = np.random.default_rng(batch).standard_normal((batch, 3)).astype(np.float32)
     out = wrapped(eqx.filter(model, eqx.is_array), x)
     assert out.shape == (batch, 2)
-    np.testing.assert_allclose(out, jax.vmap(model)(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, jax.vmap(model)(jnp.asarray(x)), rtol=1e-5, atol=1e-6)
     assert seen[-1][0] % 8 == 0
 
 
@@ -279,7 +280,7 @@ def test_prefetch_with_a_sharding_for_jit_style_batches():
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data"))
     batches = [np.arange(16.0).reshape(16, 1) + i for i in range(3)]
-    out = list(jax_utils.prefetch_to_device(batches, 1, sharding))
+    out = cast(list[jax.Array], list(jax_utils.prefetch_to_device(batches, 1, sharding)))
     assert all(b.sharding == sharding for b in out)
     np.testing.assert_array_equal(out[2], batches[2])
 
@@ -406,7 +407,7 @@ def test_shard_to_mesh_gives_device_i_rows_of_block_i(batch_axis):
 def test_shard_to_mesh_over_data_axis_replicates_rows_over_model_axis():
     mesh = _data_model_mesh()
     x = np.arange(10.0).reshape(10, 1)
-    placed = shard_to_mesh(x, mesh, "data")
+    placed = cast(jax.Array, shard_to_mesh(x, mesh, "data"))
     for row in range(2):
         for col in range(4):
             device = mesh.devices[row, col]
@@ -495,7 +496,7 @@ def test_fsdp_sharded_train_state_steps_like_a_single_device_state():
     single = state
     for _ in range(3):
         sharded = step(sharded, *shard_to_mesh((x, y), mesh))
-        single = step.__wrapped__(single, x, y)
+        single = step.__wrapped__(single, x, y)  # pyright: ignore[reportFunctionMemberAccess]  # as functools.wraps sets it
     kernel, mu = sharded.model.layers[1].weight, sharded.opt_state[0].mu.layers[1].weight
     for array in (kernel, mu):  # still sharded after the steps
         assert {s.data.shape for s in array.addressable_shards} == {(8, 32)}

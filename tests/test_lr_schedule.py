@@ -1,5 +1,7 @@
 """Learning-rate schedules: flax's values, elementwise over steps, jit/vmap, validation."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,7 @@ def test_stepped_matches_flax_including_boundaries(warmup):
 def test_stepped_boundary_rule_is_round_epoch_times_steps_and_strict():
     # Boundary round(2.5 * 3) = round(7.5) = 8 (NumPy rounds half to even).
     schedule = lr_schedule.create_stepped_learning_rate_schedule(1.0, 3, [[2.5, 0.5]])
-    assert [float(schedule(s)) for s in (7, 8, 9)] == [1.0, 1.0, 0.5]
+    assert [float(np.asarray(schedule(s))) for s in (7, 8, 9)] == [1.0, 1.0, 0.5]
 
 
 @pytest.mark.parametrize("warmup", [0.0, 3.0])
@@ -52,14 +54,16 @@ def test_cosine_matches_flax(warmup):
 def test_cosine_reference_values():
     schedule = lr_schedule.create_cosine_learning_rate_schedule(1.0, 10, 2)
     np.testing.assert_allclose(
-        [float(schedule(s)) for s in (0, 5, 10, 20)], [1.0, 0.8535534, 0.5, 0.0], atol=1e-6
+        [float(np.asarray(schedule(s))) for s in (0, 5, 10, 20)],
+        [1.0, 0.8535534, 0.5, 0.0],
+        atol=1e-6,
     )
 
 
 def test_warmup_ramps_linearly_from_zero():
     schedule = lr_schedule.create_constant_learning_rate_schedule(0.5, 10, warmup_length=2)
     np.testing.assert_allclose(
-        [float(schedule(s)) for s in (0, 5, 10, 20, 40)], [0.0, 0.125, 0.25, 0.5, 0.5]
+        [float(np.asarray(schedule(s))) for s in (0, 5, 10, 20, 40)], [0.0, 0.125, 0.25, 0.5, 0.5]
     )
 
 
@@ -74,9 +78,9 @@ def test_warmup_ramps_linearly_from_zero():
 )
 def test_schedule_is_elementwise_under_jit_and_vmap(schedule):
     steps = jnp.arange(0, 60, 3)
-    one_by_one = np.asarray([float(schedule(s)) for s in steps])
+    one_by_one = np.asarray([float(np.asarray(schedule(s))) for s in steps])
     # XLA's vectorised cos differs from its scalar cos by a few ulps near zero.
-    close = {"rtol": 1e-6, "atol": 1e-8}
+    close: dict[str, Any] = {"rtol": 1e-6, "atol": 1e-8}
     np.testing.assert_allclose(schedule(steps), one_by_one, **close)
     np.testing.assert_allclose(jax.jit(schedule)(steps), one_by_one, **close)
     np.testing.assert_allclose(jax.vmap(schedule)(steps), one_by_one, **close)
@@ -103,7 +107,7 @@ def test_schedule_drives_an_optax_optimiser():
     params = jnp.ones(3)
     state = tx.init(params)
     updates, _ = tx.update(jnp.ones(3), state, params)
-    np.testing.assert_allclose(updates, -float(schedule(0)) * np.ones(3))
+    np.testing.assert_allclose(np.asarray(updates), -float(np.asarray(schedule(0))) * np.ones(3))
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,14 @@
 """Saves to an object store whose network misbehaves: answers lost after the store did the
 work (the client retries by itself), a store that stops answering, refused credentials, and
 URLs the store would rewrite. The store is the real S3 server (SeaweedFS on 127.0.0.1)
-behind `tests.fault_proxy.FaultProxy`, or the server itself frozen with SIGSTOP."""
+behind `tests.support.fault_proxy.FaultProxy`, or the server itself frozen with SIGSTOP."""
 
 import contextlib
 import os
 import re
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,10 +16,11 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.storage import _fsspec, _locations
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 
-def _store(url, options):
+def _store(url, options) -> Any:
+    """The fsspec-backed storage of `url`: the tests reach into its `fs`."""
     return _locations.resolve(url, options, caller="test")[0]
 
 

@@ -8,6 +8,7 @@ import os
 import time
 import types
 import warnings
+from typing import Any, cast
 
 import botocore.exceptions
 import numpy as np
@@ -75,7 +76,7 @@ class FakeS3:
         return self.mem.ls(path, detail=detail)
 
     def find(self, path, prefix="", detail=False):
-        found = self.mem.find(path, detail=True)
+        found = cast(dict, self.mem.find(path, detail=True))  # detail=True: a dict
         start = path.rstrip("/") + "/" + prefix
         found = {k: v for k, v in found.items() if k.startswith(start)}
         return found if detail else list(found)
@@ -250,7 +251,7 @@ def test_an_unreachable_store_during_retention_never_deletes_the_best_checkpoint
     manager = checkpoints.CheckpointManager(
         url, keep_latest=1, keep_best=1, best_metric="loss", handle_sigterm=False
     )
-    fs = manager._store.fs
+    fs = cast(Any, manager._store).fs  # the fsspec-backed storage's filesystem
     real_info = fs.info
 
     def blip(path, **kwargs):

@@ -1,18 +1,19 @@
 """A second, adversarial pass over the object-store promises of issue 22 (lost answers,
 deadlines, URLs the store rewrites, refused access), on the real S3 server (SeaweedFS on
-127.0.0.1) behind `tests.fault_proxy.FaultProxy`: what a commit whose answer never comes
+127.0.0.1) behind `tests.support.fault_proxy.FaultProxy`: what a commit whose answer never comes
 back leaves, and which URL spellings name one location and which name two."""
 
 import re
 import time
 import unicodedata
+from typing import Any
 
 import numpy as np
 import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints.storage import _fsspec, _locations
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 INDEX = "index.safetensors"
 
@@ -26,7 +27,8 @@ def impatient(proxied, monkeypatch):
     return url, {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}, proxy
 
 
-def _store(url, options):
+def _store(url, options) -> Any:
+    """The fsspec-backed storage of `url`: the tests reach into its `fs`."""
     return _locations.resolve(url, options, caller="test")[0]
 
 

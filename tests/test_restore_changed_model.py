@@ -20,7 +20,7 @@ from eqx_train.checkpoints import (
     restore_checkpoint,
 )
 from eqx_train.checkpoints.format import _format
-from tests.helpers import assert_trees_equal, flip_last_byte
+from tests.support.helpers import assert_trees_equal, flip_last_byte
 
 
 def _mlp(seed, dtype=None):
@@ -200,14 +200,14 @@ def test_a_rename_function_maps_names_and_none_keeps_the_target_value(save):
 def test_a_rename_function_returning_a_non_string_is_refused_naming_the_leaf(tmp_path):
     checkpoints.save_checkpoint(tmp_path, {"w": np.ones(1)}, 1)
     with pytest.raises(TypeError, match=r"rename\('w'\) returned 3"):
-        restore_checkpoint(tmp_path, {"w": np.zeros(1)}, rename=lambda name: 3)
+        restore_checkpoint(tmp_path, {"w": np.zeros(1)}, rename=lambda name: 3)  # pyright: ignore[reportCallIssue, reportArgumentType]  # a wrong value on purpose
 
 
 def test_rename_and_casting_of_the_wrong_kind_are_refused(tmp_path, without_type_checks):
     with pytest.raises(ValueError, match="casting must be one of"):
-        restore_checkpoint(tmp_path, {}, casting="float")
+        restore_checkpoint(tmp_path, {}, casting="float")  # pyright: ignore[reportCallIssue, reportArgumentType]  # a wrong value on purpose
     with pytest.raises(TypeError, match="rename must be a mapping"):
-        restore_checkpoint(tmp_path, {}, rename={"a": 1})
+        restore_checkpoint(tmp_path, {}, rename={"a": 1})  # pyright: ignore[reportCallIssue, reportArgumentType]  # a wrong value on purpose
 
 
 # ---------------------------------------------------------------------------- casting

@@ -10,6 +10,7 @@ import os
 import pathlib
 import pickle
 import zipfile
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -166,7 +167,7 @@ def _flax_bytes() -> bytes:
     array = msgpack.ExtType(
         1, msgpack.packb(((8, 4), "float32", kernel.tobytes()), use_bin_type=True)
     )
-    return msgpack.packb({"params": {"Dense_0": {"kernel": array}}}, use_bin_type=True)
+    return cast(bytes, msgpack.packb({"params": {"Dense_0": {"kernel": array}}}, use_bin_type=True))
 
 
 def _torch_zip(path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, plan_restore, restore_checkpoint
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 SAVED = {"encoder": {"weight": np.ones((2, 3), np.float32), "bias": np.zeros(2, np.float32)}}
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, plan_restore, restore_checkpoint
-from tests.helpers import assert_trees_equal, flip_last_byte
+from tests.support.helpers import assert_trees_equal, flip_last_byte
 
 KERNEL = np.arange(128, dtype=np.float32).reshape(8, 16)  # saved (in, out), as flax does
 QKV = np.arange(4 * 9, dtype=np.float32).reshape(4, 9)  # q, k, v side by side on axis 1
@@ -217,7 +217,8 @@ def test_a_conv_takes_a_kernel_saved_as_height_width_in_out(tmp_path):
 def test_the_entries_of_an_eqx_state_are_transformed_by_their_names(tmp_path):
     model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="ema")
     running = (np.array([1.0, 2.0, 3.0], np.float32), np.array([4.0, 5.0, 6.0], np.float32))
-    state = state.set(model.ema_state_index, tuple(jnp.asarray(x) for x in running))
+    assert model.ema_state_index is not None  # mode='ema'
+    state = state.set(model.ema_state_index, (jnp.asarray(running[0]), jnp.asarray(running[1])))
     checkpoints.save_checkpoint(tmp_path, {"model": model, "state": state}, 1)
     names = []
 

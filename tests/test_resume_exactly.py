@@ -2,7 +2,7 @@
 and started again ends with every array bit for bit equal to a run that was never stopped,
 in the mesh track (`jit_step`) and the pmap track (`pmap_step`).
 
-The kill lands at a known point: the worker (tests/resume_worker.py) stops inside the write
+The kill lands at a known point: the worker (tests/support/resume_worker.py) stops inside the write
 of the checkpoint after step 8 (its temporary file written, not yet renamed), prints
 `in-save 8` and waits; the test checks the temporary file is there and the newest
 checkpoint is step 6 (half of the 12 steps), then SIGKILLs it. The resumed run must start
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from eqx_train import checkpoints
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _worker(*args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.resume_worker", *map(str, args)],
+        [sys.executable, "-m", "tests.support.resume_worker", *map(str, args)],
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,
@@ -47,6 +47,7 @@ def _finish(process):
 
 def _kill_in_save(workdir, track, out):
     process = _worker(workdir, track, out, KILL_AT)
+    assert process.stdout is not None and process.stderr is not None  # pipes
     try:
         lines = []
         for line in process.stdout:
@@ -68,7 +69,8 @@ def _kill_in_save(workdir, track, out):
             process.kill()
             process.wait()
         for stream in (process.stdin, process.stdout, process.stderr):
-            stream.close()
+            if stream is not None:
+                stream.close()
 
 
 @pytest.mark.parametrize("track", ["mesh", "pmap"])

@@ -1,4 +1,4 @@
-"""The object-store test server (tests/s3_server.py): a real, authenticated S3 endpoint on
+"""The object-store test server (tests/support/s3_server.py): a real, authenticated S3 endpoint on
 127.0.0.1 that speaks what checkpoints need (put, get, list, delete, byte ranges,
 multipart uploads), and leaves no process, port or file behind."""
 
@@ -12,12 +12,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_then_sigkill
-from tests.s3_server import SeaweedS3
+from tests.support.helpers import run_then_sigkill
+from tests.support.s3_server import SeaweedS3
 
 s3fs = pytest.importorskip("s3fs")
 
@@ -156,7 +157,7 @@ def test_env_points_a_subprocess_at_the_server(s3_server, s3_bucket):
     assert result.stdout.strip() == "env"
 
 
-def _socket_paths(ports: dict[str, int]) -> list[Path]:
+def _socket_paths(ports: Mapping[str, int]) -> list[Path]:
     return [
         Path(f"/tmp/seaweedfs-{flag.split('.')[0]}-grpc-{port}.sock")
         for flag, port in ports.items()
@@ -197,7 +198,7 @@ def test_server_dies_with_the_process_that_started_it():
     # (It need not wait for readiness: the signal is armed before `launch()` returns.)
     script = (
         "import json, sys, time; sys.path.insert(0, sys.argv[1]);"
-        "from tests.s3_server import SeaweedS3; s = SeaweedS3(); s.launch();"
+        "from tests.support.s3_server import SeaweedS3; s = SeaweedS3(); s.launch();"
         "print(json.dumps([s.process.pid, str(s.directory), s.ports]), flush=True);"
         "time.sleep(600)"
     )

@@ -5,6 +5,7 @@ bytes are used, and `CheckpointManager.restore` falls back to the previous step.
 import os
 import re
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from tests.test_checkpoints_multiprocess import FIXTURE, _run_job
 
 
 def _values(value):
-    """What tests/multiprocess_worker.py's `values(value)` saves (computed here alike)."""
+    """What tests/support/multiprocess_worker.py's `values(value)` saves (computed here alike)."""
     return {
         "a": np.arange(48, dtype=np.float32).reshape(8, 6) + value,
         "b": np.arange(4, dtype=np.int32) * value,
@@ -73,7 +74,7 @@ def test_the_manager_falls_back_past_a_checkpoint_holding_another_saves_piece(ru
     shutil.copyfile(_piece(run / "checkpoint_1.shards", 1), _piece(run / "checkpoint_2.shards", 1))
     manager = CheckpointManager(run, keep_latest=2, handle_sigterm=False)
     with pytest.warns(UnreadableCheckpointWarning, match="checkpoint_2.shards"):
-        restored = manager.restore(None)
+        restored: Any = manager.restore(None)  # the tree as saved
     for key, want in _values(100).items():
         np.testing.assert_array_equal(restored[key], want, strict=True)
 

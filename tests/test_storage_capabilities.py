@@ -10,7 +10,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints.storage import LocalStorage, StorageBase, register_storage
-from tests.dict_storage import DictStorage
+from tests.support.dict_storage import DictStorage
 
 
 class Recording(DictStorage):

@@ -13,7 +13,7 @@ import pytest
 
 from eqx_train.checkpoints import CheckpointFormatError, restore_checkpoint
 from eqx_train.interop import save_sharded
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 INDEX = "model.safetensors.index.json"
 

@@ -10,7 +10,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints.storage import Storage, register_storage
-from tests.dict_storage import DictStorage
+from tests.support.dict_storage import DictStorage
 
 # --------------------------------------------------------------------- the user's backend
 

@@ -1,6 +1,7 @@
 """TrainState: flax's numbers, Equinox models, one compilation, subclassing."""
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -11,7 +12,7 @@ import pytest
 from flax.training import train_state as flax_train_state
 
 from eqx_train import TrainState
-from tests.helpers import assert_trees_equal, tree_allclose
+from tests.support.helpers import assert_trees_equal, tree_allclose
 
 
 def _params(key):
@@ -270,11 +271,11 @@ def test_frozen_leaves_get_no_optimiser_state():
     model = _mlp()
     spec = eqx.tree_at(lambda m: m.layers[0], jax.tree.map(lambda _: True, model), False)
     state = TrainState.create(model=model, tx=optax.adam(0.1), trainable=spec)
-    adam = state.opt_state[0]
+    adam = cast(Any, state.opt_state)[0]  # Adam's state, a namedtuple
     assert adam.mu.layers[0].weight is None and adam.nu.layers[0].bias is None
     assert adam.mu.layers[1].weight.shape == model.layers[1].weight.shape
     new = state.apply_gradients(grads=_ones_grads(model))
-    assert new.opt_state[0].mu.layers[0].weight is None
+    assert cast(Any, new.opt_state)[0].mu.layers[0].weight is None
 
 
 def test_a_filter_spec_prefix_may_hold_filter_functions():

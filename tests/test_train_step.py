@@ -9,7 +9,7 @@ import pytest
 
 import eqx_train
 from eqx_train import TrainState, jit_step, pmap_step
-from tests.helpers import assert_trees_equal, tree_allclose
+from tests.support.helpers import assert_trees_equal, tree_allclose
 
 TX = optax.adam(1e-2)
 
@@ -102,8 +102,10 @@ def test_pmap_step_matches_an_eager_full_batch_loop_on_every_replica():
     arrays, static = eqx.partition(_state(), eqx.is_array)
     step = pmap_step(_pmap_train_step, static, has_aux=True)
     arrays = eqx_train.replicate(arrays)
+    loss = None
     for x in _batches(4):
         arrays, loss = step(arrays, eqx_train.shard(x))
+    assert loss is not None
     assert loss.shape == (jax.local_device_count(),)
     for replica in range(jax.local_device_count()):
         one = jax.tree.map(lambda a, i=replica: np.asarray(a)[i], arrays)
@@ -169,11 +171,15 @@ def test_whole_train_state_goes_replicate_filter_pmap_unreplicate():
     assert_trees_equal(state, eqx.combine(eqx_train.unreplicate(arrays), static))
 
 
+def _count_step(state: TrainState) -> TrainState:
+    return state.replace(step=state.step + 1)
+
+
 def test_jit_step_on_a_state_with_another_tx_names_tx():
     model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
     running = TrainState.create(model=model, tx=optax.adam(1e-3))
     restored = TrainState.create(model=model, tx=optax.adam(1e-3))  # another adam
     static = eqx.partition(running, eqx.is_array)[1]
-    step = jit_step(lambda s: s.replace(step=s.step + 1), static, donate=False)
+    step = jit_step(_count_step, static, donate=False)
     with pytest.raises(ValueError, match=r"static field 'tx' differs.*build the optimiser once"):
         step(eqx.partition(restored, eqx.is_array)[0])

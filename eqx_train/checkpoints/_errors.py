@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, ParamSpec, TypeVar
 
+from .._text import short as short
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -96,12 +98,6 @@ def invalid(path: str, what: str = "checkpoint") -> Callable[[str], CheckpointFo
         return CheckpointFormatError(f"{path} is not a valid {what}: {why}.")
 
     return bad
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: error messages stay one line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -20,7 +20,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._close import close
-from .._tree import is_state, state_entries
+from .._text import short
+from .._tree import KeyPath, differences, is_state, state_entries
 
 __all__ = ["assert_trees_equal"]
 
@@ -266,7 +267,7 @@ def _static_field_difference(a: Any, b: Any) -> str | None:
             how = (
                 f"another {type(x).__name__} object (equal only if the same object)"
                 if type(x) is type(y) and _ADDRESS.sub("", repr(x)) == _ADDRESS.sub("", repr(y))
-                else f"{_short(x)} vs {_short(y)}"
+                else f"{short(x, squeeze=True)} vs {short(y, squeeze=True)}"
             )
             return f"static field '{field.name}': {how}"
     return None
@@ -275,43 +276,30 @@ def _static_field_difference(a: Any, b: Any) -> str | None:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a repr: differs between equal-looking objects
 
 
-def _short(x: Any, limit: int = 80) -> str:
-    text = " ".join(repr(x).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def tree_differences(
     a: Any, b: Any, *, rtol: float | int = 0, atol: float | int = 0, weak_type: bool = True
 ) -> tuple[list[tuple[str, str, Any, Any]], int]:
     """Every difference between `a` and `b` as `(path, what differs, a's side, b's side)` in
     flattening order, and how many leaves differ in all (a subtree whose structure differs
     counts as many leaves as its larger side holds)."""
+
+    def leaf_difference(x: Any, y: Any, path: KeyPath) -> str | None:
+        if is_node(x) or is_node(y):
+            return f"a {'node' if is_node(x) else 'leaf'} vs a {'node' if is_node(y) else 'leaf'}"
+        return _leaf_difference(x, y, rtol, atol, weak_type)
+
+    def node_difference(x: Any, y: Any, pairs_x: list, pairs_y: list, path: KeyPath) -> str | None:
+        return _node_difference(x, y, pairs_x, pairs_y)
+
     found: list[tuple[str, str, Any, Any]] = []
     count = 0
-
-    def visit(x: Any, y: Any, path: tuple[Any, ...]) -> None:
-        nonlocal count
-        pairs_x, pairs_y = _children(x), _children(y)
-        if pairs_x is None and pairs_y is None:
-            what = _leaf_difference(x, y, rtol, atol, weak_type)
-            if what is not None:
-                found.append((jtu.keystr(path) or "<root>", what, x, y))
-                count += 1
-            return
-        if pairs_x is None or pairs_y is None:
-            what = f"a {'leaf' if pairs_x is None else 'node'} vs a " + (
-                "leaf" if pairs_y is None else "node"
-            )
-        else:
-            what = _node_difference(x, y, pairs_x, pairs_y)
-            if what is None:
-                for (key, child_x), (_, child_y) in zip(pairs_x, pairs_y, strict=True):
-                    visit(child_x, child_y, (*path, key))
-                return
+    walk = differences(
+        a, b, children=_children, node_difference=node_difference, leaf_difference=leaf_difference
+    )
+    for path, what, x, y in walk:
         found.append((jtu.keystr(path) or "<root>", what, x, y))
-        count += max(_count_leaves(x), _count_leaves(y), 1)
-
-    visit(a, b, ())
+        leaves = not is_node(x) and not is_node(y)
+        count += 1 if leaves else max(_count_leaves(x), _count_leaves(y), 1)
     return found, count
 
 

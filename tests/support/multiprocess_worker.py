@@ -7,6 +7,7 @@ Prints "OK <mode> <process>" on success; any failure is an exception (non-zero e
 
 import os
 import sys
+from typing import Any
 
 mode, pid, count, port, directory = (
     sys.argv[1],
@@ -146,7 +147,9 @@ def rp_restore(path, step, restore=None, **options):
 
 # The replica-parallel option, where this code has it (not when it writes a fixture of the
 # layout before it, with PYTHONPATH naming that code).
-rp_options = {} if "RP" not in os.environ else {"replica_parallel": os.environ["RP"] == "1"}
+rp_options: dict[str, Any] = (
+    {} if "RP" not in os.environ else {"replica_parallel": os.environ["RP"] == "1"}
+)
 
 if mode == "save_restore":
     for step in (1, 2, 3):
@@ -192,6 +195,7 @@ elif mode == "reshard_to_one":  # 1 process x 8 devices reads a 2 x 2 checkpoint
     np.testing.assert_array_equal(as_saved["b"], values(20)["b"])
     assert as_saved["n"] == 20
     spec = global_tree(7, mesh_2d, P("x", "y"))  # another partitioning: 4 x 2 blocks
+    assert other is not None, "this mode takes OTHER_DIR"
     checkpoints.save_checkpoint_multiprocess(other, spec, 7, timeout_s=60)
 elif mode == "reshard_back":  # 2 processes x 2 devices read a 1 x 8 checkpoint
     restored = checkpoints.restore_checkpoint(
@@ -406,11 +410,12 @@ elif mode == "bind_restore":  # DIR holds a piece of another save: every process
     else:
         raise AssertionError("a piece of another save was restored")
 elif mode == "rp_manager":  # a manager with replica_parallel=False: the layout of before
-    manager = checkpoints.CheckpointManager(directory, replica_parallel=False, timeout_s=60)
-    manager.save(5, rp_tree(5))
-    read = rp_restore(directory, 5, restore=lambda _, target: manager.restore(target))
+    rp_manager = checkpoints.CheckpointManager(directory, replica_parallel=False, timeout_s=60)
+    rp_manager.save(5, rp_tree(5))
+    read = rp_restore(directory, 5, restore=lambda _, target: rp_manager.restore(target))
     print(f"READ {pid} {read}", flush=True)
 elif mode == "rp_restore":  # restore DIR (a checkpoint of step OTHER) onto this job
+    assert other is not None, "this mode takes the step as OTHER_DIR"
     print(f"READ {pid} {rp_restore(directory, int(other), **rp_options)}", flush=True)
 elif mode == "rp_race":  # process 1 lists the directory before step 2 lands
     for step in (1, 2):
@@ -431,7 +436,8 @@ elif mode == "rp_race":  # process 1 lists the directory before step 2 lands
     # never half of step 2 and half of step 1 in one array.
     rp_check(checkpoints.restore_checkpoint(directory, rp_tree(0)), 2)
     if pid == 1:
-        assert _directory.list_checkpoints is real_list  # the stale listing was used
+        # bound above, where pid == 1 too; the stale listing was used:
+        assert _directory.list_checkpoints is real_list  # pyright: ignore[reportPossiblyUnboundVariable]
 elif mode == "rp_rename":  # read-once next to renamed, tied and cast leaves
     import warnings
 

@@ -1,4 +1,4 @@
-"""Review of `eqx-train inspect DIR`'s listing: a header whose metrics are not all numbers
+"""`eqx-train inspect DIR`'s listing: a header whose metrics are not all numbers
 (written by another tool or a later version) is listed, not a crash."""
 
 from __future__ import annotations

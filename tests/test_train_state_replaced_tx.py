@@ -1,4 +1,4 @@
-"""Review of TrainState: an `opt_state` that `tx` did not make is named as such whatever
+"""TrainState: an `opt_state` that `tx` did not make is named as such whatever
 error the optimiser's update raises on it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The values tests/orbax_worker.py saves, computed independently of any reader."""
+"""The values tests/support/orbax_worker.py saves, computed independently of any reader."""
 
 import ml_dtypes
 import numpy as np

@@ -1,4 +1,4 @@
-"""Review of the manager's fallback: only errors that say the checkpoint itself is
+"""The manager's fallback, by the kind of error: only errors that say the checkpoint itself is
 unreadable make it skipped and moved aside. An error of the process or the machine (too
 many open files, no memory, a permission) says nothing about the newest checkpoint: it
 is raised, and the checkpoint stays where it is, listed."""
@@ -14,7 +14,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints.manager import _manager
 from eqx_train.checkpoints.storage import _local
-from tests.helpers import flip_last_byte
+from tests.support.helpers import flip_last_byte
 
 
 def _state(step):

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tests.helpers import free_port
+from tests.support.helpers import free_port
 
 REGION = "us-east-1"
 
@@ -120,7 +120,9 @@ class SeaweedS3:
         self.start_timeout = start_timeout
         self.key = "eqx-train-test"
         self.secret = secrets.token_hex(16)
-        self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+        self.ports: dict[str, int] = dict(
+            zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True)
+        )
         self.endpoint_url = f"http://127.0.0.1:{self.ports['s3.port']}"
         self.log_path = self.directory / "weed.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -321,8 +323,10 @@ class SeaweedS3:
 
         request = AWSRequest(method=method, url=self.endpoint_url + path, data=body)
         S3SigV4Auth(Credentials(self.key, self.secret), "s3", REGION).add_auth(request)
+        url = request.url
+        assert url is not None  # set above
         prepared = urllib.request.Request(
-            request.url, data=body or None, headers=dict(request.headers), method=method
+            url, data=body or None, headers=dict(request.headers), method=method
         )
         with urllib.request.urlopen(prepared, timeout=10) as response:
             return response.read()

@@ -39,7 +39,9 @@ from jax._src.distributed import global_state  # noqa: E402
 
 from eqx_train.checkpoints.pipeline import _coordination as co  # noqa: E402
 
-client = global_state.client  # the tests' own side channel, outside eqx_train's keys
+_client = global_state.client
+assert _client is not None  # jax.distributed is initialized above
+client = _client  # the tests' own side channel, outside eqx_train's keys
 SLACK_S = 1.5
 
 

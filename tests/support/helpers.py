@@ -1,7 +1,9 @@
-"""Tree comparisons for the tests, built on `eqx.tree_equal`, and a subprocess killer."""
+"""Tree comparisons for the tests, built on `eqx.tree_equal`; subprocess runners; where the
+worker scripts are."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import equinox as eqx
@@ -9,6 +11,21 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+"""This folder: the worker scripts that tests start as processes live here."""
+ROOT = os.path.dirname(os.path.dirname(SUPPORT))
+"""The repository root, which a worker needs on its PYTHONPATH to import `tests.support`."""
+
+
+def latest_path(directory: Any, **kwargs: Any) -> str:
+    """`checkpoints.latest_checkpoint(directory, **kwargs)` where the test has saved one: its
+    path, never None."""
+    from eqx_train import checkpoints
+
+    path = checkpoints.latest_checkpoint(directory, **kwargs)
+    assert path is not None, f"no checkpoint in {directory}"
+    return path
 
 
 def _is_array(x: Any) -> bool:
@@ -21,7 +38,7 @@ def _bits(x: Any, check_dtype: bool = True) -> Any:
     if not _is_array(x):
         return x
     dtype = x.dtype if check_dtype else None
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     x = np.asarray(x)
     return dtype, x.reshape(-1).view(np.uint8).reshape(*x.shape, x.dtype.itemsize)

@@ -1,4 +1,4 @@
-"""Review of the Orbax reader's refusal of symbolic links out of the checkpoint: a
+"""The Orbax reader's refusal of symbolic links out of the checkpoint: a
 directory it cannot list (no read permission, which a crafted archive can set while
 leaving it searchable) must not hide a link from the check."""
 

@@ -5,6 +5,7 @@ which never takes part in the read-once exchange."""
 
 import json
 import math
+from typing import cast
 
 import jax
 import ml_dtypes
@@ -51,7 +52,7 @@ def test_the_managers_replica_parallel_reaches_its_saves_and_every_kind_of_resto
 
 def test_the_manager_refuses_a_replica_parallel_that_is_not_a_bool(tmp_path, without_type_checks):
     with pytest.raises(ValueError, match="replica_parallel must be True or False, got 'no'"):
-        checkpoints.CheckpointManager(tmp_path, replica_parallel="no")
+        checkpoints.CheckpointManager(tmp_path, replica_parallel="no")  # pyright: ignore[reportArgumentType]  # a wrong value on purpose
 
 
 class _Device:
@@ -119,7 +120,10 @@ def test_the_runs_every_process_plans_alone_tile_each_replicated_block_exactly_o
     for process in range(processes):
         runs = [
             _multiprocess._replica_runs(
-                _Array(value, processes, blocks, process, rev), shape, process, False
+                cast(jax.Array, _Array(value, processes, blocks, process, rev)),
+                shape,
+                process,
+                False,
             )
             for rev in (False, True)
         ]

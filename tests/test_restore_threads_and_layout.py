@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import types
+from typing import Any, cast
 
 import equinox as eqx
 import fsspec
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eqx_train.checkpoints import restore_checkpoint, save_checkpoint
 from eqx_train.checkpoints.format import _description, _format
 from eqx_train.checkpoints.pipeline import _restore, _transfer, _window
-from tests.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal
 
 LEAF = 64 << 10  # bytes of each leaf of `_leaves`
 
@@ -63,7 +64,7 @@ def test_unsharded_abstract_leaves_land_on_the_callers_default_device(tmp_path):
     target = {name: jax.ShapeDtypeStruct(v.shape, v.dtype) for name, v in _leaves(4).items()}
     device = jax.devices()[3]
     with jax.default_device(device):
-        restored = restore_checkpoint(tmp_path, target, host_window_bytes=LEAF)
+        restored: Any = restore_checkpoint(tmp_path, target, host_window_bytes=LEAF)  # arrays
     assert {name: leaf.devices() for name, leaf in restored.items()} == {
         name: {device} for name in target
     }
@@ -165,7 +166,7 @@ def test_an_interrupt_from_a_placing_thread_leaves_nothing_behind(tmp_path, monk
 
 
 def _main_thread_is_in(function_name):
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    frame = sys._current_frames().get(cast(int, threading.main_thread().ident))  # started
     while frame is not None:
         if frame.f_code.co_name == function_name:
             return True
@@ -355,7 +356,8 @@ def test_an_object_store_upload_has_the_same_bytes_as_a_local_file(tmp_path):
     local = save_checkpoint(tmp_path, tree, 1)
     remote = save_checkpoint(f"memory://review4-{tmp_path.name}", tree, 1)
     with fsspec.open(remote, "rb") as f, open(local, "rb") as g:
-        assert f.read() == g.read()
+        # fsspec's stubs type OpenFile's context as its list form
+        assert f.read() == g.read()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _rewrite_in_the_old_layout(path):

@@ -1,4 +1,4 @@
-"""Review of `casting=`: PRNG key data is never cast, whichever side holds the key."""
+"""`casting=` and typed PRNG keys: PRNG key data is never cast, whichever side holds the key."""
 
 import jax
 import numpy as np

@@ -212,6 +212,7 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
+        upstream_reader = None  # opened with `upstream`
         reader = client.makefile("rb")
         try:
             while not self._closing.is_set():

@@ -1,4 +1,4 @@
-"""Review of eqx_train.testing: assert_trees_equal's tolerance keeps its promises at the
+"""eqx_train.testing at the edges: assert_trees_equal's tolerance keeps its promises at the
 edges (infinities equal only themselves, integers compared exactly, object arrays and
 Python complex numbers compared without crashing)."""
 
@@ -71,7 +71,7 @@ def test_modules_keep_the_weak_type_of_batchnorms_counter_as_make_with_state_doe
         database=None,
         derandomize=True,
         phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]  # hypothesis's enum metaclass hides its members
     )
     _, state = find(
         ets.modules(),
@@ -137,7 +137,7 @@ def test_arrays_accept_a_single_dtype_as_hypothesis_does(dtype):
         database=None,
         derandomize=True,
         phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]  # hypothesis's enum metaclass hides its members
     )
     drawn = find(ets.arrays(dtypes=dtype), lambda a: True, settings=bounded)
     assert drawn.dtype == np.dtype(dtype)
@@ -154,7 +154,7 @@ def test_keys_accept_a_single_implementation_name():
         database=None,
         derandomize=True,
         phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]  # hypothesis's enum metaclass hides its members
     )
     key = find(ets.keys(impls="rbg"), lambda k: True, settings=bounded)
     assert str(jax.random.key_impl(key)) == "rbg"

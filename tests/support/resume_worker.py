@@ -1,6 +1,6 @@
 """A training run that resumes from its checkpoints, for tests/test_resume_exactly.py.
 
-    python -m tests.resume_worker WORKDIR TRACK OUT [KILL_AT]
+    python -m tests.support.resume_worker WORKDIR TRACK OUT [KILL_AT]
 
 Trains `STEPS` steps of a dropout MLP on 8 CPU devices (`TRACK` is `mesh`: `jit_step` over a
 Mesh, or `pmap`: `pmap_step` over replicas), shuffling and adding noise with a NumPy

@@ -1,4 +1,4 @@
-"""Review of `PartialRestoreWarning`: it points at the user's call (its file and line), so
+"""`PartialRestoreWarning`: it points at the user's call (its file and line), so
 that Python's default filter shows it once per call site and `-W error::...:module`
 filters work, whichever function and layout restored."""
 

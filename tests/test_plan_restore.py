@@ -1,4 +1,4 @@
-"""Review of `plan_restore`: for every case of a table (casts, renames, strict, filters,
+"""`plan_restore`: for every case of a table (casts, renames, strict, filters,
 typed keys, Python scalars, Equinox models; single-file and `.shards`), the plan and the
 restore agree. A plan that says ok is a restore that succeeds; a plan with problems is a
 restore refused with every one of those lines. What only a restore can know (whether a
@@ -173,6 +173,18 @@ def test_a_plan_for_target_none_says_the_file_loads_as_saved(saved):
 def test_a_plan_for_target_none_refuses_options_that_need_a_target(saved):
     with pytest.raises(ValueError, match="rename.*target=None"):
         plan_restore(saved, None, rename={"a": "b"})
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"rename": {"b": "a"}}, {"casting": "unsafe"}, {"filter_spec": lambda x: False}],
+    ids=["rename", "casting", "filter_spec"],
+)
+def test_target_options_with_target_none_are_refused_not_ignored(tmp_path, option):
+    checkpoints.save_checkpoint(tmp_path, {"a": np.arange(3.0)}, 1)
+    (name,) = option
+    with pytest.raises(ValueError, match=rf"restore_checkpoint: {name} applies to a target"):
+        restore_checkpoint(tmp_path, None, **option)
 
 
 def test_a_plan_of_a_shards_checkpoint_reads_no_tensor_data(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ jax.distributed.initialize(
 )
 import orbax.checkpoint as ocp  # noqa: E402
 
-from tests.orbax_values import two_process_values  # noqa: E402
+from tests.support.orbax_values import two_process_values  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()).reshape(count, 2), ("hosts", "local"))
 

@@ -1,4 +1,4 @@
-"""Review of `rename=`: what its refusals say, for prefixes that overlap."""
+"""`rename=`: what its refusals say, for prefixes that overlap, and what a renamed leaf holds."""
 
 import numpy as np
 import pytest
@@ -129,3 +129,12 @@ def test_a_saved_tensor_no_leaf_takes_is_unused_even_under_a_leaf_renamed_to_non
     assert plan.unused == ["b"] and plan.kept == ["b"]
     with pytest.raises(ValueError, match="'b': in the file as"):
         restore_checkpoint(tmp_path, target, rename=rename)
+
+
+def test_tied_numpy_leaves_restored_from_one_tensor_do_not_alias(tmp_path):
+    checkpoints.save_checkpoint(tmp_path, {"emb": np.arange(3.0)}, 1)
+    target = {"emb": np.zeros(3), "out": np.zeros(3)}
+    restored = restore_checkpoint(tmp_path, target, rename={"out": "emb"})
+    np.testing.assert_array_equal(restored["out"], np.arange(3.0))
+    restored["out"] += 1
+    np.testing.assert_array_equal(restored["emb"], np.arange(3.0))
