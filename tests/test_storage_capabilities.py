@@ -11,6 +11,7 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints.storage import LocalStorage, StorageBase, register_storage
 from tests.support.dict_storage import DictStorage
+from tests.support.helpers import latest_path
 
 
 class Recording(DictStorage):
@@ -91,7 +92,7 @@ def test_an_eio_on_bad_media_makes_a_manager_restore_fall_back(url):
     for step in (1, 2):
         manager.save(step, _tree(step))
     manager.wait()
-    newest = checkpoints.latest_checkpoint(url, storage_options=options)
+    newest = latest_path(url, storage_options=options)
     FAILING.add(newest)
     with pytest.warns(checkpoints.UnreadableCheckpointWarning, match="Input/output"):
         restored = manager.restore(_tree(0))
@@ -104,7 +105,7 @@ def test_an_eio_from_a_network_store_is_raised_and_skips_nothing(url):
     for step in (1, 2):
         manager.save(step, _tree(step))
     manager.wait()
-    FAILING.add(checkpoints.latest_checkpoint(url, storage_options=options))
+    FAILING.add(latest_path(url, storage_options=options))
     with pytest.raises(OSError, match="Input/output"):
         manager.restore(_tree(0))
     assert checkpoints.available_steps(url, storage_options=options) == [1, 2]
@@ -118,7 +119,7 @@ def _corrupt_sharded_latest(url, options):
         checkpoints.save_checkpoint_multiprocess(
             url, _tree(step), step, keep=2, storage_options=options
         )
-    newest = checkpoints.latest_checkpoint(url, storage_options=options)
+    newest = latest_path(url, storage_options=options)
     piece = next(k for k in FILES if k.startswith(newest + "/process_"))
     version, data = FILES[piece]
     FILES[piece] = (version + 1000, data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))

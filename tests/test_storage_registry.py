@@ -122,7 +122,8 @@ def test_a_factory_that_is_not_callable_is_refused(without_type_checks):
 
 
 def test_a_factory_that_returns_no_storage_is_refused_naming_the_scheme():
-    register_storage("notastore", lambda url, **options: {"files": {}})
+    # A factory returning a dict is the user error this test plants.
+    register_storage("notastore", lambda url, **options: {"files": {}})  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"save_checkpoint: .*notastore://.*not a Storage"):
         checkpoints.save_checkpoint("notastore://b/run", {"x": np.zeros(1)}, 1)
 
