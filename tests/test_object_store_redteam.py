@@ -135,7 +135,7 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
         monkeypatch.setattr(_coordination, "broadcast", lambda op, value, a=answer, **kw: a)
         with pytest.raises(RuntimeError, match="did not commit"):
             _multiprocess.write_and_commit(
-                store, url, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5, caller="test",
+                store, url, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5,
                 overwrite=False, after_commit=lambda: None,
             )  # fmt: skip
         assert isinstance(store, _storage.Storage) and store.exists(piece) == kept

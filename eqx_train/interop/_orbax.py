@@ -565,17 +565,17 @@ def load_orbax_checkpoint(
     orbax's custom type handlers and the pre-0.5 format (a `checkpoint` msgpack file, no
     `_METADATA`) are refused.
     """
-    caller = "load_orbax_checkpoint"
-    options = engine.RestoreOptions(
-        strict=strict,
-        rename=rename,
-        casting=casting,
-        filter_spec=filter_spec,
-        transform=transform,
-        verify=False,
-    ).check(caller, target)
-    directory = resolve(os.fspath(path), item)
-    with OrbaxReader(directory) as reader:
-        if target is None:
-            return reader.tree()
-        return engine.restore_with(reader, target, options, caller)
+    with engine.calling("load_orbax_checkpoint"):
+        options = engine.RestoreOptions(
+            strict=strict,
+            rename=rename,
+            casting=casting,
+            filter_spec=filter_spec,
+            transform=transform,
+            verify=False,
+        ).check(target)
+        directory = resolve(os.fspath(path), item)
+        with OrbaxReader(directory) as reader:
+            if target is None:
+                return reader.tree()
+            return engine.restore_with(reader, target, options)

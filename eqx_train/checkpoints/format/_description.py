@@ -35,7 +35,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jtu = LazyModule("jax.tree_util")
 
 from ..._tree import as_weak, is_state, path_to_name, place_like, state_entries
-from .._errors import short
+from .._errors import call, short
 from ._names import RESERVED_TENSOR_NAMES
 
 MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too
@@ -67,13 +67,13 @@ DTYPE_TO_CODE: dict[np.dtype, str] = {
 CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_TO_CODE.items()}
 
 
-def dtype_code(dtype: Any, name: str, caller: str) -> str:
+def dtype_code(dtype: Any, name: str) -> str:
     try:
         return DTYPE_TO_CODE[np.dtype(dtype)]
     except (KeyError, TypeError):
         supported = ", ".join(sorted(str(d) for d in DTYPE_TO_CODE))
         raise TypeError(
-            f"{caller}: leaf '{name}' has dtype {dtype}, which safetensors cannot store. "
+            f"{call()}: leaf '{name}' has dtype {dtype}, which safetensors cannot store. "
             f"Supported dtypes: {supported}."
         ) from None
 
@@ -280,7 +280,7 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
+def describe(tree: Any, *, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
     """The JSON description of `tree` and its tensors in order. Raises, before anything is
     written, naming the leaf path, for what cannot be saved faithfully."""
     tensors: list[Tensor] = []
@@ -290,30 +290,30 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
         name = path_to_name(keys)
         if name in RESERVED_TENSOR_NAMES:
             raise ValueError(
-                f"{caller}: the tensor name '{name}' is reserved by the safetensors format "
+                f"{call()}: the tensor name '{name}' is reserved by the safetensors format "
                 "(it holds the file's metadata). Rename that key."
             )
         if not name.isascii() and not _is_utf8(name):
             raise ValueError(
-                f"{caller}: the tensor name {name!r} is not valid UTF-8 (a key holds a lone "
+                f"{call()}: the tensor name {name!r} is not valid UTF-8 (a key holds a lone "
                 "surrogate, e.g. a file name decoded with errors='surrogateescape'); a "
                 "safetensors header is UTF-8 JSON. Rename that key."
             )
         if name in seen:
             raise ValueError(
-                f"{caller}: two leaves map to the tensor name '{name}' (a key contains '.' "
+                f"{call()}: two leaves map to the tensor name '{name}' (a key contains '.' "
                 "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
             )
         seen.add(name)
         if kind.name == "int" and not -(2**63) <= leaf < 2**63:
             raise OverflowError(
-                f"{caller}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
+                f"{call()}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
             )
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             # Every save path (sync, async, multi-process) describes its tree first: one
             # check, before anything is written or snapshotted.
             raise RuntimeError(
-                f"{caller}: leaf '{name}' is a jax.Array whose buffer has been deleted: it "
+                f"{call()}: leaf '{name}' is a jax.Array whose buffer has been deleted: it "
                 "was donated to a jitted function (a jit_step or pmap_step, or jax.jit with "
                 "donate_argnums) or deleted. Save the state that function returned, not "
                 "the one passed to it."
@@ -321,13 +321,13 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
         data = kind.data(leaf)
         if not allow_global and isinstance(data, jax.Array) and not data.is_fully_addressable:
             raise ValueError(
-                f"{caller}: leaf '{name}' is a jax.Array spread over several processes (not "
+                f"{call()}: leaf '{name}' is a jax.Array spread over several processes (not "
                 "fully addressable), so no single process can write it. In a multi-process "
                 "job use save_checkpoint_multiprocess, called on every process."
             )
-        dtype_code(data.dtype, name, caller)
+        dtype_code(data.dtype, name)
         if isinstance(data, jax.ShapeDtypeStruct):
-            raise TypeError(f"{caller}: leaf '{name}' is a ShapeDtypeStruct, which holds no data.")
+            raise TypeError(f"{call()}: leaf '{name}' is a ShapeDtypeStruct, which holds no data.")
         tensors.append(
             Tensor(
                 name,
@@ -347,7 +347,7 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
     def visit(node: Any, keys: tuple[Any, ...]) -> Any:
         if len(keys) > MAX_DEPTH:
             raise ValueError(
-                f"{caller}: the tree is nested more than {MAX_DEPTH} levels deep at "
+                f"{call()}: the tree is nested more than {MAX_DEPTH} levels deep at "
                 f"'{path_to_name(keys)}'."
             )
         if node is None:
@@ -357,7 +357,7 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
             and not isinstance(node, np.generic | int | float | complex)
         ):
             raise TypeError(
-                f"{caller}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
+                f"{call()}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
                 "be saved faithfully (Decimal, Fraction and masked arrays are refused rather "
                 "than dropped); convert it to an array of a supported dtype."
             )
@@ -375,7 +375,7 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
                 raw = key.key
                 if not isinstance(raw, str | int) or isinstance(raw, bool):
                     raise TypeError(
-                        f"{caller}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
+                        f"{call()}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
                         f"{type(raw).__name__}; only str and int keys can be saved."
                     )
                 entries.append(

@@ -29,11 +29,13 @@ raises a short `CheckpointFormatError` naming the file and what is wrong. Checks
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import closing
 from dataclasses import dataclass
@@ -41,9 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
-from ..pipeline import _transfer
-from ..pipeline._window import HostWindow, add_stage, current_window, stage, timing
+from .._errors import CheckpointFormatError, NewerFormatError, call, invalid, short
 from ..storage._storage import LocalStorage, Source, start_writeback
 from . import _header_codes
 from ._checksums import checksum, chunks, hasher, text_digest, verify_bytes
@@ -60,6 +60,7 @@ from ._names import (
     STEP_KEY,
     TREE_KEY,
 )
+from ._timing import add_stage, stage, timing
 
 # A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
 # Python objects, so the cap is what bounds a hostile file's memory.
@@ -160,12 +161,13 @@ def _no_digests(tensors: Sequence[Tensor]) -> dict[str, str]:
     return dict.fromkeys((t.name for t in tensors), _NO_DIGEST)
 
 
-def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str], caller: str) -> None:
-    """Raises before anything is written if the file's header would be too big to read."""
+def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+    """Raises, naming the public call in progress, before anything is written if the file's
+    header would be too big to read."""
     try:
         _encode_header(tensors, metadata, _no_digests(tensors))
     except ValueError as error:
-        raise ValueError(f"{caller}: {error}") from None
+        raise ValueError(f"{call()}: {error}") from None
 
 
 def _as_bytes(array: np.ndarray) -> memoryview:
@@ -181,13 +183,43 @@ def write_all(fd: int, data: memoryview) -> None:
         view = view[written:]
 
 
+# Where the writer's leaf values come from: given the tensors and whether this is the last
+# pass over them (a stream is passed over twice), each tensor with its value as a host NumPy
+# array, in order, each valid until the next is asked for.
+LeafSource = Callable[[Sequence[Tensor], bool], Generator[tuple[Tensor, np.ndarray], None, None]]
+
+
+def _plain_leaves(
+    tensors: Sequence[Tensor], final: bool
+) -> Generator[tuple[Tensor, np.ndarray], None, None]:
+    """Each leaf's value read as it is written: what the writer does outside a save."""
+    for tensor in tensors:
+        yield tensor, np.asarray(tensor.get())
+
+
+_leaf_source: contextvars.ContextVar[LeafSource] = contextvars.ContextVar(
+    "eqx_train_leaf_source", default=_plain_leaves
+)
+
+
+@contextlib.contextmanager
+def leaves_from(source: LeafSource) -> Iterator[None]:
+    """Within this block (in this thread), the writer takes its leaves from `source`: the
+    save pipeline sets its device transfers here, so that the writer keeps its
+    three-argument call and the byte format knows nothing of devices."""
+    token = _leaf_source.set(source)
+    try:
+        yield
+    finally:
+        _leaf_source.reset(token)
+
+
 def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
     """The one writer, to a file descriptor (`out: int`) or a binary stream (an upload).
 
-    Leaves reach the host through the transfer pipeline (`_transfer.host_arrays`): the
+    Leaves reach the host from the source `leaves_from` set (the save pipeline's: the
     transfers of the next leaves run while the current one is hashed and written, and at
-    most the save's `host_window_bytes` of leaf bytes (at least one leaf) are held on the
-    host (`_window.host_window_bytes` sets it around a save's commit).
+    most the save's `host_window_bytes` of leaf bytes are held on the host).
 
     To a file descriptor: the header, then each tensor's bytes hashed and written in turn,
     then the header again with the real checksums (digests have a fixed width, so it has
@@ -196,18 +228,18 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     (hashed again: a leaf that changed in between is refused rather than written under a
     wrong checksum); neither pass frees the snapshot, since the upload may be retried.
     """
-    window = current_window()
+    source = _leaf_source.get()
     if isinstance(out, int):
-        _write_to_fd(out, tensors, metadata, window)
+        _write_to_fd(out, tensors, metadata, source)
         return
     ordered, digests = file_order(tensors), {}
-    with closing(_transfer.host_arrays(ordered, window, final=False)) as leaves:
+    with closing(source(ordered, False)) as leaves:
         for t, array in leaves:
             digests[t.name] = checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array))
     out.write(_encode_header(tensors, metadata, digests))
     # Not the final pass either: an upload may be tried again (a store that refuses
     # conditional writes), so the snapshot is let go by the save once it is over.
-    with closing(_transfer.host_arrays(ordered, window, final=False)) as leaves:
+    with closing(source(ordered, False)) as leaves:
         for t, array in leaves:
             check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
             for block in chunks(_as_bytes(array), _STREAM_CHUNK):
@@ -221,10 +253,10 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
 
 
 def _write_to_fd(
-    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], window: HostWindow
+    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], source: LeafSource
 ) -> None:
     """The file in stages that run at once: the transfers of the next leaves (started by
-    `host_arrays` within the window), the hash of the current leaf (in its own thread) and
+    the leaf `source` within its window), the hash of the current leaf (in its own thread) and
     its write (in this thread, in order, so the file only ever grows: a crash leaves a
     prefix). A save then takes as long as its slowest stage, the disk's, plus the first
     transfer and the header."""
@@ -234,7 +266,7 @@ def _write_to_fd(
     digests = {}
     with (
         ThreadPoolExecutor(1, thread_name_prefix="eqx_train-hash") as hashing,
-        closing(_transfer.host_arrays(file_order(tensors), window)) as leaves,
+        closing(source(file_order(tensors), True)) as leaves,
     ):
         for t, array in leaves:
             view = _as_bytes(array)

@@ -28,7 +28,10 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import outside_stacklevel
+if TYPE_CHECKING:  # `_options` names this module's types
+    from ._options import RestoreOptions
+
+from .._errors import call, calling, outside_stacklevel
 from ..format._description import LeafKind, key_impl, key_impls, kind_of
 from ..format._leaf_names import leaf_names
 from . import _selection, _transform
@@ -62,15 +65,23 @@ class PartialRestoreWarning(UserWarning):
 def check_options(
     casting: Any,
     rename: Any,
-    caller: str,
+    caller: str | None = None,
     *,
     target: Any = (),
     filter_spec: Any = None,
     transform: Any = None,
 ) -> None:
-    """Raises, naming `caller`, for a `casting`, `rename` or `transform` of the wrong kind,
-    and for any of `rename`, `casting`, `filter_spec`, `transform` given with `target=None`
-    (which loads the file as saved: they would be ignored)."""
+    """Raises for a `casting`, `rename` or `transform` of the wrong kind, and for any of
+    `rename`, `casting`, `filter_spec`, `transform` given with `target=None` (which loads
+    the file as saved: they would be ignored). (`caller`: the public call named outside any
+    `calling` block; only until every caller sets one.)"""
+    with calling(caller or call()):
+        _check_options(casting, rename, target, filter_spec, transform)
+
+
+def _check_options(
+    casting: Any, rename: Any, target: Any, filter_spec: Any, transform: Any
+) -> None:
     if target is None:
         given = [
             name
@@ -84,19 +95,19 @@ def check_options(
         ]
         if given:
             raise ValueError(
-                f"{caller}: {', '.join(given)} applies to a target's leaves, but "
+                f"{call()}: {', '.join(given)} applies to a target's leaves, but "
                 "target=None loads the file as saved; pass the target to restore into."
             )
     if casting not in CASTINGS:
-        raise ValueError(f"{caller}: casting must be one of {CASTINGS}, got {casting!r}.")
-    _transform.check_transform(transform, caller)
+        raise ValueError(f"{call()}: casting must be one of {CASTINGS}, got {casting!r}.")
+    _transform.check_transform(transform)
     if rename is None or callable(rename):
         return
     if not isinstance(rename, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
     ):
         raise TypeError(
-            f"{caller}: rename must be a mapping of target name prefixes to saved name "
+            f"{call()}: rename must be a mapping of target name prefixes to saved name "
             f"prefixes (str -> str) or a function name -> saved name or None, got {rename!r}."
         )
 
@@ -188,32 +199,23 @@ def _expected(kind: LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | No
     return tuple(data.shape), np.dtype(data.dtype)
 
 
-def match(
-    reader: Any,
-    target: Any,
-    *,
-    strict: bool,
-    rename: Rename = None,
-    casting: Casting = "no",
-    config: _selection.Config = "target",
-    filter_spec: Any = None,
-    caller: str = "restore_checkpoint",
-    transform: _transform.Transform = None,
-) -> Match:
-    """Matches every data leaf of `target` against the tensors of `reader` (headers only):
-    by name through `rename`; through `transform` (evaluated on the saved shape and dtype,
-    `_transform`); shape equal; dtype equal or castable under `casting` (PRNG keys never
-    cast, and their implementation equal); with `strict`, no leaf without a saved tensor
-    and no saved tensor unused. `filter_spec` leaves out leaves (kept from the target),
-    and the saved tensors under the sub-trees it leaves out whole go unused as expected;
-    with `config="target"` the Python scalars of Equinox modules are compared, not taken
-    (`_selection`). A target none of whose leaves to restore is in the file is refused
-    whatever `strict` says. Every problem is listed, naming the leaf (and its saved name
-    when `rename` changed it)."""
+def match(reader: Any, target: Any, options: RestoreOptions) -> Match:
+    """Matches every data leaf of `target` against the tensors of `reader` (headers only),
+    as `options` say: by name through `rename`; through `transform` (evaluated on the
+    saved shape and dtype, `_transform`); shape equal; dtype equal or castable under
+    `casting` (PRNG keys never cast, and their implementation equal); with `strict`, no
+    leaf without a saved tensor and no saved tensor unused. `filter_spec` leaves out
+    leaves (kept from the target), and the saved tensors under the sub-trees it leaves out
+    whole go unused as expected; with `config="target"` the Python scalars of Equinox
+    modules are compared, not taken (`_selection`). A target none of whose leaves to
+    restore is in the file is refused whatever `strict` says. Every problem is listed,
+    naming the leaf (and its saved name when `rename` changed it)."""
+    strict, rename, casting = options.strict, options.rename, options.casting
+    filter_spec, transform, config = options.filter_spec, options.transform, options.config
     available = reader.arrays()
     saved_keys = saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
-    names = leaf_names(target, available, reader.path, caller)  # eqx.nn.State: by marker
+    names = leaf_names(target, available, reader.path)  # eqx.nn.State: by marker
     found = Match([leaf for _, leaf in pairs], treedef, names)
     chosen = _selection.selected(target, filter_spec)
     judge = _Judge(found, available, saved_keys, casting, transform)
@@ -229,7 +231,7 @@ def match(
             continue  # not data: kept from the target
         name = names[index]
         data_names.append(name)
-        source, prefix = source_of(name, rename, caller)
+        source, prefix = source_of(name, rename)
         if prefix is not None:
             prefixes_matched.add(prefix)
             if source in available:
@@ -413,7 +415,7 @@ def _left_out(
     prefixes = set(_selection.left_out_prefixes(names, chosen))
     if isinstance(rename, Mapping):
         for prefix in list(prefixes):
-            source, by = source_of(prefix or ROOT, rename, "")
+            source, by = source_of(prefix or ROOT, rename)
             if by is not None and source is not None:
                 prefixes.add("" if source == ROOT else source)
     return {name for name in available if any(p in prefixes for p in prefixes_of(name))}
@@ -442,7 +444,7 @@ def _why_not_cast(
     return f"; casting={needed!r} would allow it (now casting={casting!r})" if needed else ""
 
 
-def warn_partial(path: str, found: Match, caller: str) -> None:
+def warn_partial(path: str, found: Match) -> None:
     """One `PartialRestoreWarning` for a `strict=False` restore that left target leaves
     without a saved tensor or saved tensors unused; nothing when neither."""
     lines = []
@@ -457,14 +459,14 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
         listed = "\n  ".join(lines)
         warnings.warn(
             PartialRestoreWarning(
-                f"{caller}: {path} restored partially (strict=False):\n  {listed}\n"
+                f"{call()}: {path} restored partially (strict=False):\n  {listed}\n"
                 "plan_restore lists them all before restoring."
             ),
             stacklevel=outside_stacklevel(sys._getframe()),
         )
 
 
-def warn_placeholders(path: str, found: Match, leaves: list[Any], caller: str) -> None:
+def warn_placeholders(path: str, found: Match, leaves: list[Any]) -> None:
     """One `PartialRestoreWarning` naming the leaves of an abstract target that a restore
     returns as `jax.ShapeDtypeStruct` placeholders; nothing when there are none."""
     names = [
@@ -475,7 +477,7 @@ def warn_placeholders(path: str, found: Match, leaves: list[Any], caller: str) -
     if names:
         warnings.warn(
             PartialRestoreWarning(
-                f"{caller}: {len(names)} leaves of the abstract target were not restored "
+                f"{call()}: {len(names)} leaves of the abstract target were not restored "
                 f"from {path} and come back as jax.ShapeDtypeStruct placeholders: "
                 f"{some(names)}. Give them values (e.g. eqx.combine with a concrete tree) "
                 "before use, or restore them too (filter_spec, rename, strict)."

@@ -28,6 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
 
 from .. import _errors
+from .._errors import call
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
 from ..storage._storage import Storage
@@ -57,7 +58,6 @@ def agree_on_token(
     plan: tuple[str, str, Any, list[_description.Tensor]] | BaseException,
     *,
     timeout_s: int | float,
-    caller: str,
 ) -> str:
     """The opening exchange of save `number`: every process reports whether it could
     prepare the save (`plan` is `(step_text, prefix, description, tensors)`, or the error
@@ -91,15 +91,14 @@ def agree_on_token(
         if process == 0:
             mine["token"] = _names.new_token()
     reports = [
-        json.loads(r)
-        for r in _coordination.gather(op, json.dumps(mine), timeout_s=timeout_s, caller=caller)
+        json.loads(r) for r in _coordination.gather(op, json.dumps(mine), timeout_s=timeout_s)
     ]
     if isinstance(plan, BaseException):
         raise plan
     failed = [f"process {i} ({r['failed']})" for i, r in enumerate(reports) if "failed" in r]
     if failed:
         raise RuntimeError(
-            f"{caller}: the save was abandoned before anything was written because "
+            f"{call()}: the save was abandoned before anything was written because "
             f"{', '.join(failed)} could not begin it; the previous checkpoint is still the "
             "latest."
         )
@@ -108,7 +107,7 @@ def agree_on_token(
         if len(set(values)) > 1:
             listed = ", ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
             raise ValueError(
-                f"{caller}: the processes disagree on the {field} ({listed}), so nothing was "
+                f"{call()}: the processes disagree on the {field} ({listed}), so nothing was "
                 "written. Every process must make the same save call."
             )
     if len({r["digest"] for r in reports}) > 1:
@@ -118,11 +117,10 @@ def agree_on_token(
             _coordination.op_id("save_layouts", str(number)),
             _canonical(layout),
             timeout_s=timeout_s,
-            caller=caller,
         )
         difference = _first_difference([json.loads(text) for text in layouts])
         raise ValueError(
-            f"{caller}: the processes disagree on what to save, so nothing was written: "
+            f"{call()}: the processes disagree on what to save, so nothing was written: "
             f"{difference}. Every process must pass the same tree (the same leaf names, "
             "dtypes, global shapes and shardings)."
         )
@@ -346,7 +344,6 @@ def write_and_commit(
     metadata: dict[str, str],
     *,
     timeout_s: int | float,
-    caller: str,
     overwrite: bool,
     after_commit: Callable[[], None],
 ) -> None:
@@ -385,30 +382,30 @@ def write_and_commit(
         else:
             failure = None
         statuses = _coordination.gather(
-            _coordination.op_id("save_written", key), status, timeout_s=timeout_s, caller=caller
+            _coordination.op_id("save_written", key), status, timeout_s=timeout_s
         )
         if failure is not None:
             raise failure
         failed = [f"process {i} ({s})" for i, s in enumerate(statuses) if s != "ok"]
         if failed:
             raise RuntimeError(
-                f"{caller}: the save was abandoned because {', '.join(failed)} could not "
+                f"{call()}: the save was abandoned because {', '.join(failed)} could not "
                 "write its pieces; the previous checkpoint is still the latest."
             )
         # Every process that got here makes this call; process 0 always answers.
         commit_op = _coordination.op_id("save_commit", key)
         if process != 0:
-            outcome = _coordination.broadcast(commit_op, None, timeout_s=timeout_s, caller=caller)
+            outcome = _coordination.broadcast(commit_op, None, timeout_s=timeout_s)
             unsure = str(outcome).startswith(_UNSURE)
             if outcome != _COMMITTED:
                 raise RuntimeError(
-                    f"{caller}: process 0 did not commit this save ({outcome}); the previous "
+                    f"{call()}: process 0 did not commit this save ({outcome}); the previous "
                     "checkpoint is still the latest."
                 )
             committed = True
             return
         try:
-            arrays = _collect_index(store, final_dir, token, count, tensors, caller)
+            arrays = _collect_index(store, final_dir, token, count, tensors)
             replaced = _shards.referenced_pieces(store, final_dir) or set()
             index_metadata = {
                 **_header_codes.with_complex(metadata, [t.dtype for t in tensors]),
@@ -435,7 +432,6 @@ def write_and_commit(
                 commit_op,
                 (_UNSURE if unsure else "") + f"{type(error).__name__}: {error}",
                 timeout_s=timeout_s,
-                caller=caller,
             )
             raise
         committed = True
@@ -446,7 +442,7 @@ def write_and_commit(
             after_commit()
         finally:
             # Only now: the peers return seeing the same checkpoints as process 0.
-            _coordination.broadcast(commit_op, _COMMITTED, timeout_s=timeout_s, caller=caller)
+            _coordination.broadcast(commit_op, _COMMITTED, timeout_s=timeout_s)
     except BaseException as error:
         if committed or unsure:
             raise  # an index that may land cites these pieces: cleanup removes them later
@@ -485,12 +481,11 @@ def _collect_index(
     token: str,
     count: int,
     tensors: list[_description.Tensor],
-    caller: str,
 ) -> dict[str, dict[str, Any]]:
     arrays: dict[str, dict[str, Any]] = {
         t.name: {
             "shape": list(t.shape),
-            "dtype": _description.dtype_code(t.dtype, t.name, caller),
+            "dtype": _description.dtype_code(t.dtype, t.name),
             "pieces": [],
         }
         for t in tensors
@@ -507,5 +502,5 @@ def _collect_index(
     # The reader's own check, before the commit: each array tiled by its pieces exactly
     # once (a shard with no owner, or with two, would commit an unreadable checkpoint).
     return _shards.validate_arrays(
-        arrays, lambda why: RuntimeError(f"{caller}: the processes' pieces do not fit: {why}.")
+        arrays, lambda why: RuntimeError(f"{call()}: the processes' pieces do not fit: {why}.")
     )
