@@ -31,7 +31,7 @@ def test_the_managers_replica_parallel_reaches_its_saves_and_every_kind_of_resto
         return real_save(*args, **kwargs)
 
     def restore(*args, **kwargs):
-        seen.append(("restore", kwargs["replica_parallel"]))
+        seen.append(("restore", kwargs["options"].replica_parallel))
         return real_restore(*args, **kwargs)
 
     monkeypatch.setattr(_manager, "save_pipeline", save)

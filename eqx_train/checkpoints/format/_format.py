@@ -1,4 +1,5 @@
-"""The safetensors bytes: the header codec, the one writer, and the one file reader.
+"""The safetensors bytes: the one file reader (the one writer is `_writer`'s, re-exported
+here).
 
 Layout (see docs/checkpoint_format.md), a plain safetensors file:
 
@@ -29,56 +30,47 @@ raises a short `CheckpointFormatError` naming the file and what is wrong. Checks
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import json
 import math
-import os
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import closing
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointFormatError, NewerFormatError, call, invalid, short
-from ..storage._storage import LocalStorage, Source, start_writeback
+from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
+from ..storage._storage import LocalStorage, Source
 from . import _header_codes
-from ._checksums import checksum, chunks, hasher, text_digest, verify_bytes
-from ._description import DTYPE_TO_CODE, Arrays, Tensor, parse_description, parse_json
+from ._checksums import text_digest, verify_bytes
+from ._description import DTYPE_TO_CODE, Arrays, parse_description, parse_json
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
-    FORMAT_KEY,
-    FORMAT_NAME,
     FORMAT_VERSION,
     FORMAT_VERSION_KEY,
     METADATA_KEY,
     PLAIN_FORMAT_VERSION,
-    STEP_KEY,
     TREE_KEY,
 )
 from ._timing import add_stage, stage, timing
+from ._writer import (
+    ALIGN_FOR_DEVICE,
+    MAX_HEADER_BYTES as MAX_HEADER_BYTES,
+    LeafSource as LeafSource,
+    as_bytes,
+    base_metadata as base_metadata,
+    check_header_size as check_header_size,
+    file_order as file_order,
+    leaves_from as leaves_from,
+    write_all as write_all,
+    write_file as write_file,
+)
 
-# A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
-# Python objects, so the cap is what bounds a hostile file's memory.
-MAX_HEADER_BYTES = 32 * 1024 * 1024
 MAX_NDIM = 64
 _MIN_BYTES_PER_CONTAINER = 8
-_ALIGN_FOR_DEVICE = 64
-# The data section starts on a page once there is this much data: copies between the page
-# cache and 64-byte-aligned buffers then run at memcpy speed (tensors starting 40 bytes past
-# a 64-byte boundary read 10-30% slower here). Smaller files start on 64 bytes.
-_PAGE = 4096
-_PAGE_ALIGNED_FROM = 1 << 20
-_WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _PARALLEL_MIN_BYTES = 16 << 20
-_STREAM_CHUNK = 16 << 20  # bytes per write to an upload stream
-_WRITE_BLOCK = 16 << 20  # bytes per write to a file: a crash test can stop between them
 _FIRST_READ = 16 << 10  # the first request reads the length field and most headers
-_NO_DIGEST = "0" * 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,205 +91,6 @@ class TensorInfo:
         return DTYPE_TO_CODE[self.dtype]
 
 
-def base_metadata(step_text: str, description: Any) -> dict[str, str]:
-    """The `__metadata__` entries every eqx_train checkpoint (file or index) carries."""
-    return {
-        FORMAT_KEY: FORMAT_NAME,
-        FORMAT_VERSION_KEY: str(PLAIN_FORMAT_VERSION),
-        STEP_KEY: step_text,
-        TREE_KEY: json.dumps(description, separators=(",", ":")),
-    }
-
-
-def _encode_header(
-    tensors: Sequence[Tensor], metadata: dict[str, str], digests: Mapping[str, str]
-) -> bytes:
-    """The header: `tensors` listed in tree order, their bytes laid out in `file_order`."""
-    metadata = _header_codes.with_complex128(metadata, tensors)  # sealed below like the rest
-    checksums = {
-        "algorithm": CHECKSUM_ALGORITHM,
-        "metadata": {key: text_digest(value) for key, value in metadata.items()},
-        "tensors": {t.name: digests[t.name] for t in tensors},
-    }
-    entries: dict[str, Any] = {
-        METADATA_KEY: {**metadata, CHECKSUMS_KEY: json.dumps(checksums, separators=(",", ":"))}
-    }
-    offsets, offset = {}, 0
-    for t in file_order(tensors):
-        offsets[t.name] = [offset, offset + t.nbytes]
-        offset += t.nbytes
-    for t in tensors:
-        code, shape = _header_codes.header_dtype(t)
-        entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": offsets[t.name]}
-    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    alignment = _PAGE if offset >= _PAGE_ALIGNED_FROM else _ALIGN_FOR_DEVICE
-    raw += b" " * (-(8 + len(raw)) % alignment)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ValueError(
-            f"the checkpoint header would be {len(raw)} bytes, more than the "
-            f"{MAX_HEADER_BYTES} a reader accepts; save fewer, larger leaves."
-        )
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def file_order(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The order of the tensors' bytes in a file: those whose size is a whole number of pages
-    first, then of 64 bytes, then the rest, each in tree order. The data section starts on a
-    page (on 64 bytes under 1 MiB of data: `_encode_header`), so a 4-byte `step` or Adam's
-    `count` no longer leaves every tensor after it misaligned: each tensor of a whole number
-    of pages starts on a page, each of a whole number of 64 bytes on 64 bytes; only the
-    rest may start anywhere."""
-
-    def rank(tensor: Tensor) -> int:
-        return (
-            0 if tensor.nbytes % _PAGE == 0 else 1 if tensor.nbytes % _ALIGN_FOR_DEVICE == 0 else 2
-        )
-
-    return sorted(tensors, key=rank)  # stable
-
-
-def _no_digests(tensors: Sequence[Tensor]) -> dict[str, str]:
-    """Placeholders as wide as the real digests: the header keeps its length."""
-    return dict.fromkeys((t.name for t in tensors), _NO_DIGEST)
-
-
-def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
-    """Raises, naming the public call in progress, before anything is written if the file's
-    header would be too big to read."""
-    try:
-        _encode_header(tensors, metadata, _no_digests(tensors))
-    except ValueError as error:
-        raise ValueError(f"{call()}: {error}") from None
-
-
-def _as_bytes(array: np.ndarray) -> memoryview:
-    flat = np.ascontiguousarray(array).reshape(-1)
-    return flat.view(np.uint8).data
-
-
-def write_all(fd: int, data: memoryview) -> None:
-    """Writes every byte of `data` to `fd` (os.write may write fewer bytes than asked)."""
-    view = data
-    while len(view):
-        written = os.write(fd, view[:_WRITE_CHUNK])
-        view = view[written:]
-
-
-# Where the writer's leaf values come from: given the tensors and whether this is the last
-# pass over them (a stream is passed over twice), each tensor with its value as a host NumPy
-# array, in order, each valid until the next is asked for.
-LeafSource = Callable[[Sequence[Tensor], bool], Generator[tuple[Tensor, np.ndarray], None, None]]
-
-
-def _plain_leaves(
-    tensors: Sequence[Tensor], final: bool
-) -> Generator[tuple[Tensor, np.ndarray], None, None]:
-    """Each leaf's value read as it is written: what the writer does outside a save."""
-    for tensor in tensors:
-        yield tensor, np.asarray(tensor.get())
-
-
-_leaf_source: contextvars.ContextVar[LeafSource] = contextvars.ContextVar(
-    "eqx_train_leaf_source", default=_plain_leaves
-)
-
-
-@contextlib.contextmanager
-def leaves_from(source: LeafSource) -> Iterator[None]:
-    """Within this block (in this thread), the writer takes its leaves from `source`: the
-    save pipeline sets its device transfers here, so that the writer keeps its
-    three-argument call and the byte format knows nothing of devices."""
-    token = _leaf_source.set(source)
-    try:
-        yield
-    finally:
-        _leaf_source.reset(token)
-
-
-def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
-    """The one writer, to a file descriptor (`out: int`) or a binary stream (an upload).
-
-    Leaves reach the host from the source `leaves_from` set (the save pipeline's: the
-    transfers of the next leaves run while the current one is hashed and written, and at
-    most the save's `host_window_bytes` of leaf bytes are held on the host).
-
-    To a file descriptor: the header, then each tensor's bytes hashed and written in turn,
-    then the header again with the real checksums (digests have a fixed width, so it has
-    exactly the first one's length). A stream cannot be rewritten, so there the leaves go
-    through the pipeline twice: once to hash them for the header, once to write them
-    (hashed again: a leaf that changed in between is refused rather than written under a
-    wrong checksum); neither pass frees the snapshot, since the upload may be retried.
-    """
-    source = _leaf_source.get()
-    if isinstance(out, int):
-        _write_to_fd(out, tensors, metadata, source)
-        return
-    ordered, digests = file_order(tensors), {}
-    with closing(source(ordered, False)) as leaves:
-        for t, array in leaves:
-            digests[t.name] = checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array))
-    out.write(_encode_header(tensors, metadata, digests))
-    # Not the final pass either: an upload may be tried again (a store that refuses
-    # conditional writes), so the snapshot is let go by the save once it is over.
-    with closing(source(ordered, False)) as leaves:
-        for t, array in leaves:
-            check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
-            for block in chunks(_as_bytes(array), _STREAM_CHUNK):
-                for chunk in chunks(block):
-                    check.update(chunk)
-                out.write(block)
-            if check.hexdigest() != digests[t.name]:
-                raise RuntimeError(
-                    f"save_checkpoint: leaf '{t.name}' changed while it was being saved."
-                )
-
-
-def _write_to_fd(
-    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], source: LeafSource
-) -> None:
-    """The file in stages that run at once: the transfers of the next leaves (started by
-    the leaf `source` within its window), the hash of the current leaf (in its own thread) and
-    its write (in this thread, in order, so the file only ever grows: a crash leaves a
-    prefix). A save then takes as long as its slowest stage, the disk's, plus the first
-    transfer and the header."""
-    placeholder = _encode_header(tensors, metadata, _no_digests(tensors))
-    write_all(fd, memoryview(placeholder))
-    offset = len(placeholder)  # of the next block; the disk starts on each one written
-    digests = {}
-    with (
-        ThreadPoolExecutor(1, thread_name_prefix="eqx_train-hash") as hashing,
-        closing(source(file_order(tensors), True)) as leaves,
-    ):
-        for t, array in leaves:
-            view = _as_bytes(array)
-            digest = hashing.submit(_timed_checksum, DTYPE_TO_CODE[t.dtype], t.shape, view)
-            try:
-                with stage("write"):
-                    for block in chunks(view, _WRITE_BLOCK):
-                        write_all(fd, block)
-                        start_writeback(fd, offset, len(block))
-                        offset += len(block)
-            finally:
-                # The leaf's bytes are released by the next step of `leaves`: not before
-                # its hash is done with them, even when the write failed.
-                wait([digest])
-            digests[t.name] = digest.result()
-    header = _encode_header(tensors, metadata, digests)
-    if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
-        raise AssertionError("checkpoint header changed length")
-    view, done = memoryview(header), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], done)
-    if timing():  # for the stage breakdown; the storage's own fsync then finds nothing to do
-        with stage("fsync"):
-            os.fsync(fd)
-
-
-def _timed_checksum(code: str, shape: Sequence[int], view: memoryview) -> str:
-    with stage("hash"):
-        return checksum(code, shape, view)
-
-
 def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
     """`index` with explicit, clipped bounds in every dimension (a sharding's slices use None)."""
     if len(index) != len(shape):
@@ -315,8 +108,8 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts on a 64-byte boundary: XLA's CPU client then
     adopts it without a copy when it is placed on a device (`jax.device_put`)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN_FOR_DEVICE, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN_FOR_DEVICE
+    raw = np.empty(nbytes + ALIGN_FOR_DEVICE, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN_FOR_DEVICE
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
@@ -544,13 +337,13 @@ class FileReader(ReaderBase):
         row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
         rows = aligned_empty((stop - first, *info.shape[1:]), info.dtype)
         if rows.nbytes:
-            self.source.read_into(_as_bytes(rows), info.start + first * row_bytes)
+            self.source.read_into(as_bytes(rows), info.start + first * row_bytes)
         return rows[(slice(None), *index[1:])].copy() if len(index) > 1 else rows
 
     def _fill(self, info: TensorInfo, out: np.ndarray, verify: bool) -> None:
         """Reads tensor `info` into `out` (and checks it). Locally chunk by chunk, each
         hashed while still in cache; from an object store in parallel ranged requests."""
-        view = _as_bytes(out) if info.nbytes else memoryview(b"")
+        view = as_bytes(out) if info.nbytes else memoryview(b"")
         check = verify and info.checksum
         if not self.source.is_local or not check:
             with stage("read"):
@@ -582,11 +375,11 @@ class FileReader(ReaderBase):
             infos = [self.tensors[n] for n in names]
             outs = [aligned_empty(i.shape, i.dtype) for i in infos]
             self.source.read_ranges(
-                [(_as_bytes(o), i.start) for o, i in zip(outs, infos, strict=True) if i.nbytes]
+                [(as_bytes(o), i.start) for o, i in zip(outs, infos, strict=True) if i.nbytes]
             )
             for info, out in zip(infos, outs, strict=True):
                 if verify and info.checksum:
-                    view = _as_bytes(out) if info.nbytes else memoryview(b"")
+                    view = as_bytes(out) if info.nbytes else memoryview(b"")
                     verify_bytes(info, view, self.bad)
             return dict(zip(names, outs, strict=True))
         total = sum(self.tensors[n].nbytes for n in names)
