@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointFormatError, short
-from ._description import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor, parse_json
+from ._json import parse_json
+from ._leaf_kinds import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor
 from ._names import COMPLEX128_KEY, FORMAT_VERSION, FORMAT_VERSION_KEY, PLAIN_FORMAT_VERSION
 
 READABLE_VERSIONS = frozenset(map(str, range(PLAIN_FORMAT_VERSION, FORMAT_VERSION + 1)))

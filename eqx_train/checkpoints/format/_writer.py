@@ -23,7 +23,7 @@ from .._errors import call
 from ..storage._storage import start_writeback
 from . import _header_codes
 from ._checksums import checksum, chunks, hasher, text_digest
-from ._description import DTYPE_TO_CODE, Tensor
+from ._leaf_kinds import DTYPE_TO_CODE, Tensor
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,

@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,13 +28,11 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-if TYPE_CHECKING:  # `_options` names this module's types
-    from ._options import RestoreOptions
-
 from .._errors import call, calling, outside_stacklevel
 from ..format._description import LeafKind, key_impl, key_impls, kind_of
 from ..format._leaf_names import leaf_names
 from . import _selection, _transform
+from ._options import CASTINGS as CASTINGS, Casting as Casting, RestoreOptions, check_matching
 from ._rename import (
     ROOT,
     Rename as Rename,
@@ -45,9 +43,6 @@ from ._rename import (
     source_of as source_of,
     under,
 )
-
-Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
-CASTINGS: tuple[Casting, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
 
 
 class PartialRestoreWarning(UserWarning):
@@ -76,40 +71,7 @@ def check_options(
     the file as saved: they would be ignored). (`caller`: the public call named outside any
     `calling` block; only until every caller sets one.)"""
     with calling(caller or call()):
-        _check_options(casting, rename, target, filter_spec, transform)
-
-
-def _check_options(
-    casting: Any, rename: Any, target: Any, filter_spec: Any, transform: Any
-) -> None:
-    if target is None:
-        given = [
-            name
-            for name, is_set in [
-                ("rename", rename is not None),
-                ("casting", casting != "no"),
-                ("filter_spec", filter_spec is not None),
-                ("transform", transform is not None),
-            ]
-            if is_set
-        ]
-        if given:
-            raise ValueError(
-                f"{call()}: {', '.join(given)} applies to a target's leaves, but "
-                "target=None loads the file as saved; pass the target to restore into."
-            )
-    if casting not in CASTINGS:
-        raise ValueError(f"{call()}: casting must be one of {CASTINGS}, got {casting!r}.")
-    _transform.check_transform(transform)
-    if rename is None or callable(rename):
-        return
-    if not isinstance(rename, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
-    ):
-        raise TypeError(
-            f"{call()}: rename must be a mapping of target name prefixes to saved name "
-            f"prefixes (str -> str) or a function name -> saved name or None, got {rename!r}."
-        )
+        check_matching(casting, rename, target, filter_spec, transform)
 
 
 def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:

@@ -27,7 +27,6 @@ else:  # imported on first use: the command line reads headers without JAX
 
 from ..._tree import weak_like
 from ..format._description import LeafKind
-from ..format._shards import ShardedReader
 from . import _matching, _read_once, _transform
 from ._options import RestoreOptions
 from ._transfer import windowed_reads
@@ -47,7 +46,7 @@ def blockwise(reader: Any, leaf: Any, kind: LeafKind) -> bool:
         return False
     if isinstance(leaf, jax.Array) and not leaf.committed:
         return False
-    return isinstance(reader, ShardedReader) or not sharding.is_fully_addressable
+    return getattr(reader, "reads_blocks", False) or not sharding.is_fully_addressable
 
 
 def read_whole(

@@ -5,7 +5,7 @@ over the interconnect (an all-gather: NVLink or ICI on accelerators, gloo on CPU
 then reads the checkpoint once, where reading block by block (`_restore._read_blockwise`)
 reads it once per process.
 
-The runs are those of a replica-parallel save (`_shards.split_axis`, the same rule): a
+The runs are those of a replica-parallel save (`_runs.split_axis`, the same rule): a
 restore onto the processes that saved reads exactly the pieces each of them wrote, which
 matters because a verified read reads every piece it touches whole.
 
@@ -45,7 +45,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
 
 from .._errors import CheckpointFormatError, call
-from ..format import _shards
+from ..format import _runs
 from . import _coordination
 
 # How long a process waits for its peers before reading alone; a process arriving later
@@ -84,7 +84,7 @@ def staging_sharding(leaf: Any) -> NamedSharding | None:
     cut = [math.prod(mesh.shape[n] for n in axes) for axes in named]
     if any(d % c for d, c in zip(shape, cut, strict=True)):
         return None  # uneven blocks: read block by block
-    axis = _shards.split_axis([d // c for d, c in zip(shape, cut, strict=True)], parts)
+    axis = _runs.split_axis([d // c for d, c in zip(shape, cut, strict=True)], parts)
     if axis is None or (shape[axis] // cut[axis]) % parts:
         return None
     entries[axis] = (*named[axis], *free)

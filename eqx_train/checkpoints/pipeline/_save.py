@@ -104,7 +104,14 @@ def _plan(
     """The plan stage: every check, before anything is written or deleted."""
     options.check()
     store, where = _locations.resolve(ckpt_dir, storage_options, caller=call())
-    options.check_storage(store.is_local)
+    if options.multiprocess and not store.is_local and options.timeout_s > _directory.STALE_S / 2:
+        # On an object store nobody can tell a live writer's uncommitted pieces from a
+        # dead one's but by age: other saves remove them after `STALE_S`.
+        raise ValueError(
+            f"{call()}: timeout_s={options.timeout_s!r} is too long for an object store; at "
+            f"most {_directory.STALE_S / 2:.0f} s, since uncommitted pieces older than "
+            f"{_directory.STALE_S:.0f} s count as abandoned."
+        )
     value = _names.check_step(step)
     try:
         name = _names.checkpoint_name(options.prefix, step, sharded=options.multiprocess)

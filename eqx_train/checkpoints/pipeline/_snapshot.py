@@ -18,13 +18,14 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._errors import call, calling
 from . import _transfer
-from ._window import check_window, current_window
+from ._options import SNAPSHOT_MODES as SNAPSHOT_MODES, SnapshotMode as SnapshotMode, check_snapshot
+from ._window import current_window
 
 if TYPE_CHECKING:
     import jax
@@ -37,8 +38,6 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
 
-SnapshotMode = Literal["auto", "device", "host"]
-SNAPSHOT_MODES: tuple[str, ...] = ("auto", "device", "host")
 # A device snapshot must fit in this share of the free device memory: the training step that
 # runs next needs room for its own temporaries.
 DEVICE_MEMORY_SHARE = 0.8
@@ -48,16 +47,7 @@ def check_options(snapshot: str, host_window_bytes: Any, caller: str | None = No
     """Refuses a `snapshot` mode or a `host_window_bytes` that is not one we know (`caller`:
     the public call named outside any `calling` block; only until every caller sets one)."""
     with calling(caller or call()):
-        _check_options(snapshot, host_window_bytes)
-
-
-def _check_options(snapshot: str, host_window_bytes: Any) -> None:
-    if snapshot not in SNAPSHOT_MODES:
-        raise ValueError(
-            f"{call()}: snapshot must be one of {', '.join(map(repr, SNAPSHOT_MODES))}, got "
-            f"{snapshot!r}."
-        )
-    check_window(host_window_bytes)
+        check_snapshot(snapshot, host_window_bytes)
 
 
 def _copy_arrays(arrays: Sequence[jax.Array]) -> list[jax.Array]:
