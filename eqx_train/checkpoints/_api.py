@@ -15,8 +15,7 @@ from ._restore_api import restore_checkpoint as restore_checkpoint
 from .format import _names
 from .pipeline import _directory, _save
 from .pipeline._async import AsyncManager
-from .pipeline._options import SaveOptions
-from .pipeline._snapshot import SnapshotMode
+from .pipeline._options import SaveOptions, SnapshotMode
 from .pipeline._window import DEFAULT_HOST_WINDOW_BYTES
 from .storage import _locations
 

@@ -137,11 +137,7 @@ def plan_restore(
             filter_spec=filter_spec,
             config=config,
             transform=transform,
-        )
-        _selection.check_config(config)
-        _matching.check_options(
-            casting, rename, target=target, filter_spec=filter_spec, transform=transform
-        )
+        ).check(target)
         store, where = _locations.resolve(ckpt_dir, storage_options, caller=call())
         return _plan(store, where, ckpt_dir, target, step, prefix, options)
 
