@@ -25,10 +25,10 @@ import numpy as np
 
 from .._errors import short
 from ..storage._storage import Storage
-from ._format import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
 from ._json import parse_json
 from ._leaf_kinds import CODE_TO_DTYPE
 from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, PROCESS_KEY, SAVE_KEY, parse_piece_file
+from ._reader import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
 from ._runs import split_axis as split_axis, split_bounds as split_bounds
 
 _MAX_PIECES = 1 << 20
