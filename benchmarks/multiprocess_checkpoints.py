@@ -122,7 +122,7 @@ def replicated_worker(
 
     def barrier():
         if count > 1:
-            _coordination.barrier(_coordination.next_id("bench"), timeout_s=600, caller="bench")
+            _coordination.barrier(_coordination.next_id("bench"), timeout_s=600)
 
     replicated = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec())
     value = np.random.default_rng(0).standard_normal((mib * 256, 1024), dtype=np.float32)

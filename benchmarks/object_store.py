@@ -69,7 +69,7 @@ def measure(server: SeaweedS3, leaves: int, size_mib: int, repeats: int) -> dict
     options = server.storage_options
     bucket = server.create_bucket(f"bench-{leaves}-{os.getpid()}")
     url = f"{bucket}/run"
-    store, _ = _locations.resolve(url, options, caller="bench")
+    store, _ = _locations.resolve(url, options)
     assert isinstance(store, _fsspec.FsspecStorage)
     fs = store.fs
     per_leaf = size_mib * (1 << 20) // leaves // 4
@@ -151,7 +151,7 @@ class RequestCounter:
 def measure_requests(server: SeaweedS3, retained: int) -> dict:
     options = server.storage_options
     bucket = server.create_bucket(f"requests-{retained}-{os.getpid()}")
-    store, _ = _locations.resolve(f"{bucket}/x", options, caller="bench")
+    store, _ = _locations.resolve(f"{bucket}/x", options)
     assert isinstance(store, _fsspec.FsspecStorage)
     counter = RequestCounter(store.fs)
     tree = {"w": np.zeros(1024, np.float32), "b": np.zeros(16, np.int32)}

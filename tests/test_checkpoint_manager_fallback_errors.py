@@ -84,11 +84,11 @@ def test_a_checkpoint_saved_again_while_another_manager_fell_back_past_it_stays(
     flip_last_byte(pieces[0] if sharded else newest)
     real_restore = _manager.restore_entry
 
-    def restore_entry(store, entry, target, **options):
+    def restore_entry(store, entry, target, options):
         if entry.step == 6:  # B has skipped step 7: A acts now
             os.rename(newest, tmp_path / f"corrupt-checkpoint_7{suffix}")
             save(tmp_path, _state(70), 7, keep=3)
-        return real_restore(store, entry, target, **options)
+        return real_restore(store, entry, target, options)
 
     monkeypatch.setattr(_manager, "restore_entry", restore_entry)
     b = CheckpointManager(tmp_path, keep_latest=3, handle_sigterm=False)

@@ -14,6 +14,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager
+from eqx_train.checkpoints._errors import call
 from eqx_train.checkpoints.manager import _manager
 from eqx_train.checkpoints.pipeline import _coordination
 from tests.support.helpers import ROOT, SUPPORT, latest_path
@@ -218,8 +219,8 @@ def test_should_save_is_decided_by_process_0_through_coordination(tmp_path, monk
     returns what process 0 decided (here a stand-in process 0 says the opposite)."""
     calls = []
 
-    def decide(op, make_decision, *, timeout_s, caller):
-        calls.append((op, caller, timeout_s, make_decision()))
+    def decide(op, make_decision, *, timeout_s):
+        calls.append((op, call(), timeout_s, make_decision()))
         return "save" if len(calls) == 1 else "preempted, save"
 
     monkeypatch.setattr(_coordination, "decide", decide)

@@ -124,7 +124,7 @@ def test_shards_layout_commits_by_its_index(location):
     assert path == f"{url}/checkpoint_2.shards"
     assert_trees_equal(checkpoints.restore_checkpoint(url, tree, storage_options=options), tree)
     # Pieces without an index are an uncommitted save: never listed, never restored.
-    store, _ = _locations.resolve(url, options, caller="test")
+    store, _ = _locations.resolve(url, options)
     store.atomic_write(
         f"{url}/checkpoint_9.shards/process_00000.00000000-1-0000000000000000.safetensors",
         lambda out: _format.write_file(out, [], {}),
@@ -168,7 +168,7 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_and_no_object(location, 
     with pytest.raises(OSError, match="network went away"):
         checkpoints.save_checkpoint(url, {"x": np.ones(4)}, 2, storage_options=options)
     monkeypatch.setattr(_format, "write_file", real_write)
-    store, _ = _locations.resolve(url, options, caller="test")
+    store, _ = _locations.resolve(url, options)
     assert [i.name for i in store.list(url)] == ["checkpoint_1.safetensors"]
     assert checkpoints.available_steps(url, storage_options=options) == [1]
 
@@ -176,7 +176,7 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_and_no_object(location, 
 def test_a_corrupted_object_fails_its_checksum(location):
     url, options = location
     path = checkpoints.save_checkpoint(url, {"x": np.arange(1000.0)}, 1, storage_options=options)
-    store: Any = _locations.resolve(url, options, caller="test")[0]  # its .fs, below
+    store: Any = _locations.resolve(url, options)[0]  # its .fs, below
     data = bytearray(store.fs.cat_file(store.strip(path)))
     data[-3] ^= 0xFF
     store.fs.pipe_file(store.strip(path), bytes(data))
@@ -427,7 +427,7 @@ def test_sigkill_mid_upload_keeps_the_previous_checkpoint_and_the_next_save_clea
     assert (
         out.index("OLD-SAVED") < out.index("KILL-POINT after part 1") and "UNREACHABLE" not in out
     )
-    store: Any = _locations.resolve(url, options, caller="test")[0]  # its .fs, below
+    store: Any = _locations.resolve(url, options)[0]  # its .fs, below
     bucket = s3_bucket.split("://")[1]
     pending = store.fs.list_multipart_uploads(bucket)
     # Proof that the kill landed mid-upload: a multipart upload of step 2 is open.
@@ -491,7 +491,7 @@ def test_cleanup_never_aborts_the_upload_of_a_live_writer(s3_server, s3_bucket):
     ) as writer:  # fmt: skip
         assert writer.stdin is not None and writer.stdout is not None  # both are pipes
         assert writer.stdout.readline() == "PAUSED after part 1\n"
-        store: Any = _locations.resolve(url, options, caller="test")[0]  # its .fs, below
+        store: Any = _locations.resolve(url, options)[0]  # its .fs, below
         bucket = s3_bucket.split("://")[1]
         assert len(store.fs.list_multipart_uploads(bucket)) == 1  # mid-upload, for sure
         with checkpoints.CheckpointManager(url, keep_latest=5, storage_options=options) as m:

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from eqx_train.checkpoints._errors import calling
 from eqx_train.checkpoints.format import _description
 from eqx_train.checkpoints.pipeline import _snapshot, _transfer, _window
+from eqx_train.checkpoints.pipeline._options import check_snapshot
 
 MiB = 1 << 20
 
@@ -40,7 +42,7 @@ def _state():
 
 
 def _tensors(tree):
-    return _description.describe(tree, caller="test")[1]
+    return _description.describe(tree)[1]
 
 
 def _buffers(array):
@@ -53,7 +55,7 @@ def _no_warning(message):
 
 def test_device_snapshot_copies_array_leaves_on_their_devices_with_their_shardings():
     tensors = _tensors(_state())
-    copies = _snapshot.snapshot(tensors, "device", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(tensors, "device", warn=_no_warning)
     for tensor, copy in zip(tensors, copies, strict=True):
         np.testing.assert_array_equal(copy.get(), np.asarray(tensor.get()))
         if isinstance(tensor.source, jax.Array):
@@ -67,7 +69,7 @@ def test_device_snapshot_copies_array_leaves_on_their_devices_with_their_shardin
 def test_device_snapshot_survives_donation_and_deletion_of_the_originals():
     state = {"w": jnp.arange(1000.0), "b": jnp.full((4, 4), 2, jnp.int32)}
     expected = {k: np.array(v) for k, v in state.items()}  # independent host copies
-    copies = _snapshot.snapshot(_tensors(state), "device", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(_tensors(state), "device", warn=_no_warning)
 
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
     state = step(state)
@@ -78,7 +80,7 @@ def test_device_snapshot_survives_donation_and_deletion_of_the_originals():
 
 def test_host_snapshot_copies_every_leaf_to_host_memory_now():
     state = {"w": jnp.arange(10.0), "n": np.zeros(3)}
-    copies = _snapshot.snapshot(_tensors(state), "host", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(_tensors(state), "host", warn=_no_warning)
     state["n"][:] = 1.0
     state["w"].delete()
     assert [c.owned for c in copies] == [False, False]
@@ -97,7 +99,7 @@ def test_auto_snapshot_on_a_cpu_device_holds_the_buffers_in_place(monkeypatch):
     monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 0)  # no memory needed
     state = _state()
     tensors = _tensors(state)
-    snaps = _snapshot.snapshot(tensors, "auto", caller="test", warn=_no_warning)
+    snaps = _snapshot.snapshot(tensors, "auto", warn=_no_warning)
     for tensor, snap in zip(tensors, snaps, strict=True):
         np.testing.assert_array_equal(snap.get(), np.asarray(tensor.get()))
         assert snap.source is None
@@ -110,7 +112,7 @@ def test_auto_snapshot_on_a_cpu_device_holds_the_buffers_in_place(monkeypatch):
 def test_pinned_buffers_survive_a_donating_step_and_are_let_go_once_released():
     state = {"w": jnp.arange(1000.0) + 1, "b": jnp.full((4, 4), 2, jnp.int32) + 0}
     expected = {k: np.array(v) for k, v in state.items()}
-    snaps = _snapshot.snapshot(_tensors(state), "auto", caller="test", warn=_no_warning)
+    snaps = _snapshot.snapshot(_tensors(state), "auto", warn=_no_warning)
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
     new = step(state)  # the runtime does not donate a buffer a view holds: it copies
     jax.block_until_ready(new)
@@ -130,29 +132,25 @@ def test_auto_snapshot_falls_back_to_the_host_when_device_memory_is_short(monkey
     state = {"w": jnp.arange(1000.0)}  # 8000 bytes: more than 80% of 1000 free
     warn = _snapshot.WarnOnce()
     with pytest.warns(UserWarning, match=r"would not fit in device memory.*snapshot='host'"):
-        copies = _snapshot.snapshot(_tensors(state), "auto", caller="test", warn=warn)
+        copies = _snapshot.snapshot(_tensors(state), "auto", warn=warn)
     assert not copies[0].owned
     np.testing.assert_array_equal(copies[0].get(), np.arange(1000.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: the second fallback is silent
-        again = _snapshot.snapshot(_tensors(state), "auto", caller="test", warn=warn)
+        again = _snapshot.snapshot(_tensors(state), "auto", warn=warn)
     assert not again[0].owned
 
 
 def test_auto_snapshot_stays_on_the_device_when_it_fits(monkeypatch):
     _as_on_an_accelerator(monkeypatch)
     monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 1 << 30)
-    copies = _snapshot.snapshot(
-        _tensors({"w": jnp.arange(1000.0)}), "auto", caller="test", warn=_no_warning
-    )
+    copies = _snapshot.snapshot(_tensors({"w": jnp.arange(1000.0)}), "auto", warn=_no_warning)
     assert copies[0].owned and isinstance(copies[0].source, jax.Array)
 
 
 def test_device_snapshot_is_forced_even_when_memory_looks_short(monkeypatch):
     monkeypatch.setattr(_snapshot, "free_device_bytes", lambda device: 0)
-    copies = _snapshot.snapshot(
-        _tensors({"w": jnp.arange(1000.0)}), "device", caller="test", warn=_no_warning
-    )
+    copies = _snapshot.snapshot(_tensors({"w": jnp.arange(1000.0)}), "device", warn=_no_warning)
     assert copies[0].owned
 
 
@@ -187,11 +185,11 @@ def test_free_device_bytes_reads_the_backends_memory_statistics():
 
 
 def test_snapshot_options_are_checked_with_the_offending_value():
-    with pytest.raises(ValueError, match=r"save: snapshot must be one of .*'gpu'"):
-        _snapshot.check_options("gpu", 1, "save")
+    with calling("save"), pytest.raises(ValueError, match=r"save: snapshot must be one of .*'gpu'"):
+        check_snapshot("gpu", 1)
     for bad in (0, -5, 1.5, True, "1"):
         with pytest.raises(ValueError, match="host_window_bytes must be a positive int"):
-            _snapshot.check_options("auto", bad, "save")
+            check_snapshot("auto", bad)
 
 
 # ------------------------------------------------------------------------ the host window
@@ -250,7 +248,7 @@ def test_the_pipeline_releases_what_it_holds_when_closed_early():
 def test_the_final_pass_over_a_snapshot_frees_nothing_the_caller_owns():
     state = {"w": jnp.arange(100.0)}
     tensors = _tensors(state)
-    copies = _snapshot.snapshot(tensors, "device", caller="test", warn=_no_warning)
+    copies = _snapshot.snapshot(tensors, "device", warn=_no_warning)
     for _ in _transfer.host_arrays(copies, _window.HostWindow(MiB)):
         pass
     assert not state["w"].is_deleted()

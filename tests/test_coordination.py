@@ -40,11 +40,11 @@ def _assert_ok(mode, results, processes=(0, 1)):
 def test_single_process_collectives_return_the_local_value_without_jax_distributed():
     assert jax.process_count() == 1
     op = co.next_id("single")
-    assert co.broadcast(op, "x", timeout_s=1, caller="test") == "x"
-    assert co.gather(co.next_id("single"), "y", timeout_s=1, caller="test") == ["y"]
-    co.barrier(co.next_id("single"), timeout_s=1, caller="test")
-    assert co.decide(co.next_id("single"), lambda: True, timeout_s=1, caller="test") is True
-    assert co.decide(co.next_id("single"), lambda: "later", timeout_s=1, caller="test") == "later"
+    assert co.broadcast(op, "x", timeout_s=1) == "x"
+    assert co.gather(co.next_id("single"), "y", timeout_s=1) == ["y"]
+    co.barrier(co.next_id("single"), timeout_s=1)
+    assert co.decide(co.next_id("single"), lambda: True, timeout_s=1) is True
+    assert co.decide(co.next_id("single"), lambda: "later", timeout_s=1) == "later"
 
 
 def test_reached_preemption_is_false_without_jax_distributed():
@@ -67,18 +67,18 @@ def test_next_id_rejects_kinds_that_could_nest_in_another_id(kind):
 
 def test_broadcast_on_process_0_needs_a_value():
     with pytest.raises(ValueError, match="process 0 must give the value"):
-        co.broadcast(co.next_id("single"), None, timeout_s=1, caller="test")
+        co.broadcast(co.next_id("single"), None, timeout_s=1)
 
 
 def test_decide_rejects_a_decision_that_is_not_bool_or_str(without_type_checks):
     with pytest.raises(TypeError, match="must be a bool or a str, got int 1"):
-        co.decide(co.next_id("single"), lambda: 1, timeout_s=1, caller="test")  # type: ignore
+        co.decide(co.next_id("single"), lambda: 1, timeout_s=1)  # type: ignore
 
 
 def test_several_processes_without_the_coordination_client_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(RuntimeError, match="process_count.. is 2 but the client of JAX's"):
-        co.barrier(co.next_id("single"), timeout_s=1, caller="test")
+        co.barrier(co.next_id("single"), timeout_s=1)
 
 
 # ---------------------------------------------------------------- 2 jax.distributed processes

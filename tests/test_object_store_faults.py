@@ -21,7 +21,7 @@ from tests.support.helpers import assert_trees_equal
 
 def _store(url, options) -> Any:
     """The fsspec-backed storage of `url`: the tests reach into its `fs`."""
-    return _locations.resolve(url, options, caller="test")[0]
+    return _locations.resolve(url, options)[0]
 
 
 def _leftovers(store, url):

@@ -29,7 +29,7 @@ def impatient(proxied, monkeypatch):
 
 def _store(url, options) -> Any:
     """The fsspec-backed storage of `url`: the tests reach into its `fs`."""
-    return _locations.resolve(url, options, caller="test")[0]
+    return _locations.resolve(url, options)[0]
 
 
 def _keys(store, bucket_url):
@@ -124,7 +124,7 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
     from eqx_train.checkpoints.storage import Storage
 
     url = "memory://eqx-test-unsure-peer/run/checkpoint_1.shards"
-    store = _locations.resolve(url, None, caller="test")[0]
+    store = _locations.resolve(url, None)[0]
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(_coordination, "gather", lambda op, value, **kw: ["ok", value])
@@ -137,7 +137,7 @@ def test_a_peer_keeps_its_pieces_when_process_0_cannot_tell_whether_it_committed
         monkeypatch.setattr(_coordination, "broadcast", lambda op, value, a=answer, **kw: a)
         with pytest.raises(RuntimeError, match="did not commit"):
             _multiprocess.write_and_commit(
-                store, url, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5, caller="test",
+                store, url, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5,
                 overwrite=False, after_commit=lambda: None,
             )  # fmt: skip
         assert isinstance(store, Storage) and store.exists(piece) == kept

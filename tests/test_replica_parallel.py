@@ -28,11 +28,11 @@ def test_the_managers_replica_parallel_reaches_its_saves_and_every_kind_of_resto
     real_save, real_restore = _manager.save_pipeline, _restore.restore_from
 
     def save(*args, **kwargs):
-        seen.append(("save", kwargs["replica_parallel"]))
+        seen.append(("save", kwargs["options"].replica_parallel))
         return real_save(*args, **kwargs)
 
     def restore(*args, **kwargs):
-        seen.append(("restore", kwargs["replica_parallel"]))
+        seen.append(("restore", kwargs["options"].replica_parallel))
         return real_restore(*args, **kwargs)
 
     monkeypatch.setattr(_manager, "save_pipeline", save)

@@ -408,10 +408,10 @@ def test_the_largest_header_a_reader_accepts_is_written_and_one_byte_more_is_ref
         return {"step": np.int32(1), "w": np.ones(1 << 18, np.float32), "z": "x" * note_length}
 
     def fits(note_length):
-        description, tensors = _description.describe(tree(note_length), caller="test")
+        description, tensors = _description.describe(tree(note_length))
         metadata = _format.base_metadata("1", description)
         try:
-            _format.check_header_size(tensors, metadata, "test")
+            _format.check_header_size(tensors, metadata)
         except ValueError:
             return False
         return True

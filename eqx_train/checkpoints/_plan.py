@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import StepNotFoundError
+from ._errors import StepNotFoundError, call, calling
 from .format import _layouts, _names
 from .pipeline import _matching, _restore, _selection, _transform
+from .pipeline._options import RestoreOptions
 from .storage import _locations
 
 
@@ -128,37 +129,44 @@ def plan_restore(
     `target` unchanged); `ValueError` for a missing `step`; `CheckpointFormatError` for a
     checkpoint whose headers are not valid.
     """
-    caller = "plan_restore"
-    _selection.check_config(config, caller)
-    _matching.check_options(
-        casting, rename, caller, target=target, filter_spec=filter_spec, transform=transform
-    )
-    store, where = _locations.resolve(ckpt_dir, storage_options, caller=caller)
+    with calling("plan_restore"):
+        options = RestoreOptions(
+            strict=strict,
+            rename=rename,
+            casting=casting,
+            filter_spec=filter_spec,
+            config=config,
+            transform=transform,
+        ).check(target)
+        store, where = _locations.resolve(ckpt_dir, storage_options)
+        return _plan(store, where, ckpt_dir, target, step, prefix, options)
+
+
+def _plan(
+    store: Any,
+    where: str,
+    ckpt_dir: Any,
+    target: Any,
+    step: Any,
+    prefix: str,
+    options: RestoreOptions,
+) -> RestorePlan:
+    """The plan of the checkpoint `where` in `store` names (`ckpt_dir` as the user gave it)."""
     try:
         entry, _ = _restore._resolve(store, where, step, prefix)
         if entry is None:
-            raise StepNotFoundError(f"{caller}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
-        call, reader = "restore_checkpoint", _restore.open_reader(store, entry)
+            raise StepNotFoundError(f"{call()}: no checkpoint at {ckpt_dir} (prefix '{prefix}').")
+        call_name, reader = "restore_checkpoint", _restore.open_reader(store, entry)
     except _layouts.ForeignCheckpointError as error:
         foreign = _layouts.foreign_reader(error.kind, error.path, prefix)
         if foreign is None:
             raise
-        call, reader = foreign
+        call_name, reader = foreign
     with reader:
         if target is None:  # the restore loads every tensor as saved
             names = {n: n for n in reader.arrays()}
-            return RestorePlan(reader.path, names, {}, [], [], [], call)
-        found = _matching.match(
-            reader,
-            target,
-            strict=strict,
-            rename=rename,
-            casting=casting,
-            config=config,
-            filter_spec=filter_spec,
-            caller=caller,
-            transform=transform,
-        )
+            return RestorePlan(reader.path, names, {}, [], [], [], call_name)
+        found = _matching.match(reader, target, options)
         return RestorePlan(
             reader.path,
             dict(found.taken),
@@ -166,6 +174,6 @@ def plan_restore(
             list(found.kept),
             list(found.unused),
             list(found.problems),
-            call,
+            call_name,
             dict(found.transformed),
         )

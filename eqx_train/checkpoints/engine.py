@@ -9,6 +9,8 @@ Importing this module does not import JAX (the command line starts without it).
 
 from ._errors import (
     CheckpointFormatError as CheckpointFormatError,
+    call as call,
+    calling as calling,
     short as short,
 )
 from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
@@ -28,7 +30,6 @@ from .format._format import (
     check_header_size as check_header_size,
     too_big as too_big,
     write_all as write_all,
-    write_file as write_file,
 )
 from .format._hf_layout import IndexReader as IndexReader
 from .format._layouts import (
@@ -70,6 +71,7 @@ from .pipeline._directory import (
 )
 from .pipeline._matching import Casting as Casting, Rename as Rename
 from .pipeline._restore import Reader as Reader, restore_from as restore_from
+from .pipeline._transfer import write_file as write_file
 from .pipeline._transform import Transform as Transform
 from .storage._local import (
     LocalSource as LocalSource,

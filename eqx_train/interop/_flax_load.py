@@ -20,6 +20,7 @@ from ..checkpoints.engine import (
     Rename,
     RestoreOptions,
     Transform,
+    calling,
     is_orbax,
     restore_with,
 )
@@ -158,19 +159,24 @@ def load_flax_checkpoint(
     arrays (flax's `save_checkpoint_multiprocess` with a tensorstore side directory) are
     refused.
     """
-    caller = "load_flax_checkpoint"
-    options = RestoreOptions(
-        strict=strict,
-        rename=rename,
-        casting=casting,
-        filter_spec=filter_spec,
-        transform=transform,
-        verify=False,
-    ).check(caller, target)
+    with calling("load_flax_checkpoint"):
+        options = RestoreOptions(
+            strict=strict,
+            rename=rename,
+            casting=casting,
+            filter_spec=filter_spec,
+            transform=transform,
+            verify=False,
+        ).check(target)
+        return _load(path, target, prefix, options)
+
+
+def _load(path: str | os.PathLike[str], target: Any, prefix: str, options: RestoreOptions) -> Any:
+    """`load_flax_checkpoint` once its options are checked."""
     path = resolve_flax_path(os.fspath(path), prefix)
     if target is not None:
         with FlaxReader(path) as reader:
-            return restore_with(reader, target, options, caller)
+            return restore_with(reader, target, options)
 
     def bad(why: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{path} is not a flax msgpack checkpoint: {why}.")

@@ -35,6 +35,7 @@ from ..checkpoints.engine import (
     Casting,
     Rename,
     Tensor,
+    call,
     short,
 )
 
@@ -54,12 +55,12 @@ _LOCAL = engine.LocalStorage()  # the layout lives in a local directory
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*")
 
 
-def parse_size(size: Any, caller: str = "save_sharded") -> int:
+def parse_size(size: Any) -> int:
     """Bytes from an int or a string such as `"5GB"` (10**9 each), `"500MB"` or `"10KiB"`
     (2**10 each); units are case-insensitive, as in huggingface_hub."""
     if isinstance(size, bool) or not isinstance(size, int | str):
         raise TypeError(
-            f"{caller}: max_shard_size must be an int (bytes) or a string such as '5GB', "
+            f"{call()}: max_shard_size must be an int (bytes) or a string such as '5GB', "
             f"got {short(size)}."
         )
     if isinstance(size, int):
@@ -69,13 +70,13 @@ def parse_size(size: Any, caller: str = "save_sharded") -> int:
         unit = match and _SIZE_UNITS.get(match[2].upper())
         if match is None or unit is None:
             raise ValueError(
-                f"{caller}: max_shard_size {size!r} is not a size: expected a number and a "
+                f"{call()}: max_shard_size {size!r} is not a size: expected a number and a "
                 "unit, one of B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers "
                 "of 2), e.g. '5GB', '500MB', '10KiB'."
             )
         value = int(float(match[1]) * unit)
     if value <= 0:
-        raise ValueError(f"{caller}: max_shard_size must be positive, got {size!r}.")
+        raise ValueError(f"{call()}: max_shard_size must be positive, got {size!r}.")
     return value
 
 
@@ -142,10 +143,14 @@ def save_sharded(
     naming the leaf path for what `save_checkpoint` refuses too (masked arrays, Fractions,
     unsupported dtypes, two leaves with one name). Nothing is written when it raises so.
     """
-    caller = "save_sharded"
-    directory = os.fspath(directory)
-    limit = parse_size(max_shard_size, caller)
-    description, tensors = engine.describe(tree, caller=caller)
+    with engine.calling("save_sharded"):
+        _save_sharded(os.fspath(directory), tree, max_shard_size)
+
+
+def _save_sharded(directory: str, tree: Any, max_shard_size: int | str) -> None:
+    """`save_sharded` within its public call's name."""
+    limit = parse_size(max_shard_size)
+    description, tensors = engine.describe(tree)
     groups = plan_shards(tensors, limit)
     names = engine.hf_shard_names(len(groups))
     token = os.urandom(8).hex()
@@ -161,7 +166,7 @@ def save_sharded(
     else:
         plans = [(n, g, {**base, HF_SAVE_KEY: token}) for n, g in zip(names, groups, strict=True)]
     for _, group, metadata in plans:
-        engine.check_header_size(group, metadata, caller)
+        engine.check_header_size(group, metadata)
     _LOCAL.makedirs(directory)  # its entry in the parent durable, as a checkpoint's
     _remove_dead_temporaries(directory)
     if len(groups) > 1:
@@ -243,6 +248,7 @@ def load_sharded(
     transform: engine.Transform = None,
     verify: bool = True,
     parallel: bool = True,
+    threaded_reads: bool | None = None,
 ) -> Any:
     """Loads weights in the Hugging Face layout (written by `save_sharded`,
     `huggingface_hub`, `transformers`' `save_pretrained(safe_serialization=True)`, or one
@@ -272,7 +278,9 @@ def load_sharded(
       [When the model changed](../changed_model.md)).
     - `verify`: check each tensor against the checksum `save_sharded` recorded (files from
       other tools have none).
-    - `parallel`: read large tensors with several threads.
+    - `threaded_reads`: read the whole tensors a target needs with up to 8 threads when
+      they add up to 16 MiB or more (default: `parallel`'s value, True).
+    - `parallel`: the older name of `threaded_reads` (`threaded_reads`, when given, wins).
 
     **Returns:**
 
@@ -286,23 +294,27 @@ def load_sharded(
     shard, a shard from another save) and for weights of another kind (naming the call that
     reads them); `ValueError` listing every mismatch with `target`.
     """
-    caller = "load_sharded"
-    options = engine.RestoreOptions(
-        strict=strict,
-        rename=rename,
-        casting=casting,
-        filter_spec=filter_spec,
-        transform=transform,
-        verify=verify,
-        parallel=parallel,
-    ).check(caller, target)
-    path = os.fspath(directory)
+    with engine.calling("load_sharded"):
+        options = engine.RestoreOptions(
+            strict=strict,
+            rename=rename,
+            casting=casting,
+            filter_spec=filter_spec,
+            transform=transform,
+            verify=verify,
+            threaded_reads=parallel if threaded_reads is None else threaded_reads,
+        ).check(target)
+        return _load_sharded(os.fspath(directory), target, options)
+
+
+def _load_sharded(path: str, target: Any, options: engine.RestoreOptions) -> Any:
+    """`load_sharded` once its options are checked."""
     found = engine.locate(_LOCAL, path)
     if found is None:
-        raise FileNotFoundError(f"{caller}: {path} does not exist.")
+        raise FileNotFoundError(f"{call()}: {path} does not exist.")
     if found.layout in ("directory", "shards"):
         raise FileNotFoundError(
-            f"{caller}: {path} holds neither {HF_SINGLE_NAME} nor {HF_INDEX_NAME}"
+            f"{call()}: {path} holds neither {HF_SINGLE_NAME} nor {HF_INDEX_NAME}"
             + (
                 " (it is an eqx_train .shards checkpoint: read it with restore_checkpoint)."
                 if found.layout == "shards"
@@ -310,4 +322,4 @@ def load_sharded(
             )
         )
     with engine.open_reader(_LOCAL, found) as reader:
-        return engine.restore_with(reader, target, options, caller)
+        return engine.restore_with(reader, target, options)

@@ -22,38 +22,36 @@ from __future__ import annotations
 
 import math
 import os
-import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..checkpoints import engine
 from ..checkpoints.engine import (
-    MAX_DEPTH,
     MAX_NDIM,
     CheckpointFormatError,
     FileReader,
-    LocalSource,
     short,
     too_big,
 )
-from ._orbax_layout import LEGACY_NAME, METADATA_NAME, OCDBT_MANIFEST, resolve
+from ._orbax_layout import resolve
+from ._orbax_metadata import (
+    ARRAY_TYPES,
+    DICT,
+    EMPTY,
+    Leaf,
+    check_files,
+    parse_metadata,
+    read_json,
+    walk,
+)
 
 _STRINGS_NAME = "_strings.json"
-# About 140 bytes a leaf: room for ~470k leaves. JSON parses to up to ~20x its size in
-# Python objects, so this also bounds what a hostile file can make us allocate.
-_MAX_METADATA_BYTES = 64 << 20
 # A chunk is decoded whole even when the array is smaller: a hostile `.zarray` may declare
 # a tiny array with a huge chunk, and tensorstore aborts the process when that allocation
 # fails. Orbax's chunks are at most the array (a shard of it); allow small slack.
 _CHUNK_SLACK_BYTES = 1 << 20
-# tensorstore reads an OCDBT manifest, and in the plain layout a chunk file, whole: a
-# sparse file of any size costs nothing on disk. Real manifests are a few KiB.
-_MAX_MANIFEST_BYTES = 64 << 20
-_SEQUENCE, _DICT = 1, 2
-_ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
-_EMPTY = {"None": None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": None}
 # Orbax's own context for reads: many files in flight, and a cache for the B-tree nodes
 # of the OCDBT database (every leaf's lookup walks the same few nodes).
 _TS_CONTEXT = {
@@ -72,31 +70,6 @@ def _tensorstore() -> Any:
     return tensorstore
 
 
-def _read_json(path: str, what: str, bad: Any) -> Any:
-    source = LocalSource(path, bad)  # no blocking open, regular files only
-    try:
-        if source.size > _MAX_METADATA_BYTES:
-            raise bad(f"{what} has {source.size} bytes, more than {_MAX_METADATA_BYTES}")
-        raw = bytearray(source.size)
-        source.read_into(memoryview(raw), 0)
-    finally:
-        source.close()
-    return engine.parse_json(bytes(raw), what, bad)
-
-
-class _Leaf:
-    """One entry of `_METADATA`: its keys (with their types) and what it holds."""
-
-    __slots__ = ("keys", "kinds", "value_type", "skip")
-
-    def __init__(self, keys: tuple[str, ...], kinds: tuple[int, ...], value_type: str, skip: bool):
-        self.keys, self.kinds, self.value_type, self.skip = keys, kinds, value_type, skip
-
-    @property
-    def name(self) -> str:
-        return ".".join(self.keys)
-
-
 class OrbaxReader:
     """One Orbax PyTree checkpoint as a checkpoint `Reader` (`arrays`, `read`, `read_many`,
     ...), so that `restore_checkpoint`'s matcher serves it unchanged.
@@ -110,10 +83,15 @@ class OrbaxReader:
     def __init__(self, directory: str):
         self.path = directory
         self.metadata: dict[str, str] = {}  # no safetensors metadata
-        self.metadata_path = os.path.join(directory, METADATA_NAME)
         self._ts = _tensorstore()
-        self._check_files()  # first: nothing is read through a link that leaves it
-        self._parse_metadata()
+        check_files(directory, self.bad)  # first: nothing is read through a link out of it
+        found = parse_metadata(directory, self.bad)
+        self.use_ocdbt, self.use_zarr3 = found.use_ocdbt, found.use_zarr3
+        self.fill_missing, self.leaves, self._by_name = (
+            found.fill_missing,
+            found.leaves,
+            found.by_name,
+        )
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -144,152 +122,6 @@ class OrbaxReader:
 
     # ------------------------------------------------------------------ metadata
 
-    def _parse_metadata(self) -> None:
-        if not os.path.lexists(self.metadata_path):
-            legacy = os.path.lexists(os.path.join(self.path, LEGACY_NAME))
-            raise self.bad(
-                f"it has no {METADATA_NAME} file"
-                + (
-                    f" (its tree is in a '{LEGACY_NAME}' msgpack file: written by an orbax "
-                    "older than 0.5, which this reader does not read)"
-                    if legacy
-                    else ""
-                )
-            )
-
-        def bad_metadata(why: str) -> CheckpointFormatError:
-            return CheckpointFormatError(
-                f"{self.metadata_path} is not valid Orbax metadata: {why}."
-            )
-
-        meta = _read_json(self.metadata_path, "it", bad_metadata)
-        tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
-        if not isinstance(tree, dict):
-            raise bad_metadata("it is not a JSON object with a 'tree_metadata' object")
-        flags = {}
-        for flag in ("use_ocdbt", "use_zarr3", "store_array_data_equal_to_fill_value"):
-            value = meta.get(flag)
-            if value is not None and not isinstance(value, bool):
-                raise bad_metadata(f"'{flag}' is {short(value)}, not true or false")
-            flags[flag] = value
-        # Older orbax did not record the layout: the database's manifest tells.
-        self.use_ocdbt = (
-            flags["use_ocdbt"]
-            if flags["use_ocdbt"] is not None
-            else os.path.lexists(os.path.join(self.path, OCDBT_MANIFEST))
-        )
-        self.use_zarr3 = bool(flags["use_zarr3"])
-        self.fill_missing = not flags["store_array_data_equal_to_fill_value"]
-        leaves: list[_Leaf] = []
-        for label, entry in tree.items():
-            leaves.append(self._leaf(label, entry, bad_metadata))
-        # A container saved empty and later filled by a partial save leaves its empty
-        # placeholder beside its children: the children win, as in orbax.
-        leaves.sort(key=lambda leaf: leaf.keys)
-        kept = [
-            leaf
-            # Each leaf with the next one (None after the last; nothing for no leaves).
-            for leaf, following in zip(leaves, [*leaves[1:], None], strict=False)
-            if following is None
-            or not (
-                len(following.keys) > len(leaf.keys)
-                and following.keys[: len(leaf.keys)] == leaf.keys
-            )
-        ]
-        names: dict[str, _Leaf] = {}
-        for leaf in kept:
-            if leaf.name in names:
-                raise bad_metadata(f"two leaves are both named {short(leaf.name)}")
-            names[leaf.name] = leaf
-        self.leaves = kept
-        self._by_name = names
-
-    def _leaf(self, label: str, entry: Any, bad: Any) -> _Leaf:
-        where = f"entry {short(label)}"
-        if not isinstance(entry, dict):
-            raise bad(f"{where} is not an object")
-        key_metadata, value = entry.get("key_metadata"), entry.get("value_metadata")
-        if not isinstance(key_metadata, list) or not key_metadata or not isinstance(value, dict):
-            raise bad(f"{where} lacks a 'key_metadata' list or a 'value_metadata' object")
-        if len(key_metadata) > MAX_DEPTH:
-            # Rebuilding the tree recurses once a level: refuse what no real tree is.
-            raise bad(f"{where} is nested {len(key_metadata)} levels deep, more than {MAX_DEPTH}")
-        keys, kinds = [], []
-        for key in key_metadata:
-            if (
-                not isinstance(key, dict)
-                or not isinstance(key.get("key"), str)
-                or key.get("key_type") not in (_SEQUENCE, _DICT)
-            ):
-                raise bad(f"{where} has a key that is not {{'key': str, 'key_type': 1 or 2}}")
-            if key["key_type"] == _SEQUENCE and not key["key"].isdecimal():
-                raise bad(f"{where} has the sequence index {short(key['key'])}")
-            keys.append(key["key"])
-            kinds.append(key["key_type"])
-        value_type, skip = value.get("value_type"), value.get("skip_deserialize", False)
-        if not isinstance(value_type, str) or not isinstance(skip, bool):
-            raise bad(f"{where} has no 'value_type' string")
-        if value_type not in _ARRAY_TYPES and value_type != "string" and value_type not in _EMPTY:
-            raise bad(
-                f"{where} holds a {short(value_type)}, which has no standard Orbax "
-                "handler (a custom TypeHandler wrote it)"
-            )
-        name = ".".join(keys)
-        if value_type in _ARRAY_TYPES and not skip:
-            # Outside OCDBT a name is a path below the directory: never let it leave it.
-            parts = name.split("/")
-            if "\0" in name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-                raise bad(f"{where} names the array {short(name)}, not a plain name")
-        return _Leaf(tuple(keys), tuple(kinds), value_type, skip)
-
-    def _walk(self, top: str) -> Iterator[tuple[str, list[str]]]:
-        """Each directory below `top` once, through symbolic links too (a link back to a
-        directory walked already is not followed again), with its files."""
-        seen: set[tuple[int, int]] = set()
-
-        def unlisted(error: OSError) -> None:
-            # A directory that cannot be listed (searchable, not readable: a crafted
-            # archive can set that) would hide its links from the checks, while
-            # tensorstore still opens the files in it by name.
-            raise self.bad(
-                f"{error.filename} cannot be listed ({error.strerror}), so what it holds "
-                "cannot be checked; make it readable"
-            )
-
-        for root, dirs, files in os.walk(top, followlinks=True, onerror=unlisted):
-            info = os.stat(root)
-            if (info.st_dev, info.st_ino) in seen:
-                dirs[:] = []
-                continue
-            seen.add((info.st_dev, info.st_ino))
-            yield root, files
-
-    def _check_files(self) -> None:
-        """Refuses what tensorstore would block on (a FIFO, a device: its reads never end)
-        or read whole into memory (an oversized manifest), and symbolic links that lead out
-        of the checkpoint (their target's bytes would be read as array values), anywhere
-        below the directory, through symbolic links too, before anything is opened."""
-        inside = os.path.realpath(self.path)
-        for root, files in self._walk(self.path):
-            for name in files:
-                full = os.path.join(root, name)
-                try:
-                    info = os.stat(full)
-                except OSError:  # a dangling link: tensorstore's own error names it
-                    continue
-                if not stat.S_ISREG(info.st_mode):
-                    raise self.bad(f"{full} is not a regular file (a FIFO or a device?)")
-                real = os.path.realpath(full)
-                if os.path.commonpath([real, inside]) != inside:
-                    raise self.bad(
-                        f"{full} leads through a symbolic link to {real}, outside the "
-                        "checkpoint directory; copy the file in instead of linking it"
-                    )
-                if name == OCDBT_MANIFEST and info.st_size > _MAX_MANIFEST_BYTES:
-                    raise self.bad(
-                        f"{full} has {info.st_size} bytes, more than {_MAX_MANIFEST_BYTES}"
-                    )
-
     def _check_chunk_files(self, name: str, store: Any, dtype: np.dtype) -> None:
         """In the plain layout each chunk is one file that tensorstore reads whole: none may
         be much larger than its chunk decoded (compression only adds a small header)."""
@@ -297,7 +129,7 @@ class OrbaxReader:
             return  # the database's data files are read by byte ranges
         chunk = store.chunk_layout.write_chunk.shape or store.shape
         limit = 2 * math.prod(int(d) for d in chunk) * dtype.itemsize + _CHUNK_SLACK_BYTES
-        for root, files in self._walk(os.path.join(self.path, name)):
+        for root, files in walk(os.path.join(self.path, name), self.bad):
             for file in files:
                 full = os.path.join(root, file)
                 try:
@@ -335,7 +167,7 @@ class OrbaxReader:
         ts = self._ts
         context = ts.Context(_TS_CONTEXT)
         wanted = [
-            leaf.name for leaf in self.leaves if leaf.value_type in _ARRAY_TYPES and not leaf.skip
+            leaf.name for leaf in self.leaves if leaf.value_type in ARRAY_TYPES and not leaf.skip
         ]
         pending = [
             (name, ts.open(self._spec(name), context=context, open=True, read=True))
@@ -432,7 +264,7 @@ class OrbaxReader:
 
         if not os.path.lexists(path):
             raise self.bad(f"it has string leaves but no {_STRINGS_NAME}")
-        table = _read_json(path, "it", bad)
+        table = read_json(path, "it", bad)
         if not isinstance(table, dict):
             raise bad("it is not a JSON object")
         for name in wanted:
@@ -446,7 +278,7 @@ class OrbaxReader:
         and empty values."""
         arrays = self.read_many(list(self._shapes))
         strings = self.strings()
-        values: list[tuple[_Leaf, Any]] = []
+        values: list[tuple[Leaf, Any]] = []
         for leaf in self.leaves:
             if leaf.name in arrays:
                 value: Any = arrays[leaf.name]
@@ -456,8 +288,8 @@ class OrbaxReader:
                     value = value.item()
             elif leaf.value_type == "string":
                 value = strings[leaf.name]
-            elif leaf.value_type in _EMPTY:
-                empty = _EMPTY[leaf.value_type]
+            elif leaf.value_type in EMPTY:
+                empty = EMPTY[leaf.value_type]
                 value = None if empty is None else empty()
             else:
                 raise self.bad(f"leaf {short(leaf.name)} has no data")
@@ -473,7 +305,7 @@ def _memory_bytes() -> int:
         return 2**62
 
 
-def _nest(values: list[tuple[_Leaf, Any]], bad: Any) -> Any:
+def _nest(values: list[tuple[Leaf, Any]], bad: Any) -> Any:
     """Nested dicts and lists from (keys, value) pairs, as orbax's restore builds them."""
     root: dict[str, Any] = {}
     kinds_at: dict[tuple[str, ...], int] = {}
@@ -497,7 +329,7 @@ def _nest(values: list[tuple[_Leaf, Any]], bad: Any) -> Any:
         if not isinstance(node, dict) or prefix not in kinds_at:
             return node
         items = {k: convert(v, prefix + (k,)) for k, v in node.items()}
-        if kinds_at[prefix] == _DICT:
+        if kinds_at[prefix] == DICT:
             return items
         order = sorted(items, key=int)
         if [int(k) for k in order] != list(range(len(order))):
@@ -565,17 +397,17 @@ def load_orbax_checkpoint(
     orbax's custom type handlers and the pre-0.5 format (a `checkpoint` msgpack file, no
     `_METADATA`) are refused.
     """
-    caller = "load_orbax_checkpoint"
-    options = engine.RestoreOptions(
-        strict=strict,
-        rename=rename,
-        casting=casting,
-        filter_spec=filter_spec,
-        transform=transform,
-        verify=False,
-    ).check(caller, target)
-    directory = resolve(os.fspath(path), item)
-    with OrbaxReader(directory) as reader:
-        if target is None:
-            return reader.tree()
-        return engine.restore_with(reader, target, options, caller)
+    with engine.calling("load_orbax_checkpoint"):
+        options = engine.RestoreOptions(
+            strict=strict,
+            rename=rename,
+            casting=casting,
+            filter_spec=filter_spec,
+            transform=transform,
+            verify=False,
+        ).check(target)
+        directory = resolve(os.fspath(path), item)
+        with OrbaxReader(directory) as reader:
+            if target is None:
+                return reader.tree()
+            return engine.restore_with(reader, target, options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..checkpoints.engine import CheckpointFormatError
+from ..checkpoints.engine import CheckpointFormatError, call, calling
 
 METADATA_NAME = "_METADATA"
 OCDBT_MANIFEST = "manifest.ocdbt"
@@ -84,11 +84,11 @@ def describe(path: str) -> str | None:
     return None
 
 
-def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") -> str:
+def resolve(path: str, item: str | None) -> str:
     """The PyTree checkpoint directory `path` and `item` name: the directory itself, one
     item of a `CheckpointManager` step, or that within the latest step of a run."""
     if not os.path.lexists(path):
-        raise FileNotFoundError(f"{caller}: {path} does not exist.")
+        raise FileNotFoundError(f"{call()}: {path} does not exist.")
     if not os.path.isdir(path):
         raise CheckpointFormatError(
             f"{path} is a file, not an Orbax checkpoint directory (a flax msgpack checkpoint "
@@ -103,7 +103,7 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
     if kind == "checkpoint":
         if item is not None:
             raise ValueError(
-                f"{caller}: item={item!r} was given but {path} is a single PyTree checkpoint, "
+                f"{call()}: item={item!r} was given but {path} is a single PyTree checkpoint, "
                 "not a CheckpointManager step with named items; leave item out."
             )
         return path
@@ -112,16 +112,16 @@ def resolve(path: str, item: str | None, caller: str = "load_orbax_checkpoint") 
             return os.path.join(path, names[0])
         if item is None:
             raise ValueError(
-                f"{caller}: {path} holds several items ({', '.join(names)}); choose one with "
+                f"{call()}: {path} holds several items ({', '.join(names)}); choose one with "
                 "item=..."
             )
         if item not in names:
             raise ValueError(
-                f"{caller}: {path} has no item {item!r}; its items are {', '.join(names)}."
+                f"{call()}: {path} has no item {item!r}; its items are {', '.join(names)}."
             )
         return os.path.join(path, item)
     if kind == "run":
-        return resolve(names[-1], item, caller)
+        return resolve(names[-1], item)
     raise CheckpointFormatError(
         f"{path} is not an Orbax checkpoint: it holds no {METADATA_NAME} or "
         f"{OCDBT_MANIFEST}, no item directories and no step directories."
@@ -155,7 +155,8 @@ def steps_to_convert(path: str, item: str | None) -> list[tuple[int, str]]:
     """(step, PyTree checkpoint directory) of every checkpoint `path` stands for, oldest
     first: a checkpoint or a `CheckpointManager` step is one (its step from its directory's
     name, else 0), a run directory all its committed steps."""
-    single = resolve(path, item, "convert-orbax")  # refuses what is not Orbax, checks `item`
+    with calling("convert-orbax"):  # refuses what is not Orbax, checks `item`
+        single = resolve(path, item)
     kind, _ = layout(path)
     if kind != "run":
         parent = os.path.dirname(os.path.abspath(path))
@@ -166,7 +167,8 @@ def steps_to_convert(path: str, item: str | None) -> list[tuple[int, str]]:
             step = _step_of(path)
         return [(step or 0, single)]
     steps = _steps(path)
-    found = [(step, resolve(directory, item, "convert-orbax")) for step, directory in steps]
+    with calling("convert-orbax"):
+        found = [(step, resolve(directory, item)) for step, directory in steps]
     for (step, first), (other, second) in zip(found, found[1:], strict=False):
         if step == other:
             raise ValueError(f"{first} and {second} are both step {step}; keep one of them")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checkpoints.engine import FOREIGN_READERS
+from ..checkpoints.engine import FOREIGN_READERS, calling
 from ._flax_load import FlaxReader, resolve_flax_path
 from ._orbax import OrbaxReader
 from ._orbax_layout import resolve as resolve_orbax
@@ -17,7 +17,8 @@ def _flax(path: str, prefix: str) -> Any:
 
 
 def _orbax(path: str, prefix: str) -> Any:
-    return OrbaxReader(resolve_orbax(path, None, "plan_restore"))
+    with calling("plan_restore"):
+        return OrbaxReader(resolve_orbax(path, None))
 
 
 FOREIGN_READERS.update(flax=_flax, orbax=_orbax)

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from .._tree import path_to_name, place_like
-from ..checkpoints.engine import is_prng_key, short
+from ..checkpoints.engine import call, calling, is_prng_key, short
 
 _T = TypeVar("_T")
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
@@ -53,7 +53,7 @@ def _is_weight(leaf: Any) -> bool:
     )
 
 
-def _named_weights(tree: Any, caller: str) -> tuple[list[tuple[str, int]], list[Any], Any]:
+def _named_weights(tree: Any) -> tuple[list[tuple[str, int]], list[Any], Any]:
     """`(name, leaf index)` for every weight leaf of `tree`, all its leaves, and its treedef."""
     pairs, treedef = jtu.tree_flatten_with_path(tree)
     named: list[tuple[str, int]] = []
@@ -64,7 +64,7 @@ def _named_weights(tree: Any, caller: str) -> tuple[list[tuple[str, int]], list[
         name = path_to_name(path)
         if name in seen:
             raise ValueError(
-                f"{caller}: two leaves of the tree have the name '{name}' (a key contains '.' "
+                f"{call()}: two leaves of the tree have the name '{name}' (a key contains '.' "
                 "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
             )
         seen[name] = i
@@ -116,7 +116,8 @@ def to_state_dict(tree: Any) -> dict[str, np.ndarray]:
     A dict from names to fresh NumPy arrays (copies: mutating them does not change `tree`),
     in the tree's flattening order. bfloat16 arrays keep ml_dtypes' `bfloat16` dtype.
     """
-    named, leaves, _ = _named_weights(tree, "to_state_dict")
+    with calling("to_state_dict"):
+        named, leaves, _ = _named_weights(tree)
     conv_biases = _conv_bias_names(tree)
     out: dict[str, np.ndarray] = {}
     for name, i in named:
@@ -299,7 +300,8 @@ def from_state_dict(
 
     The filled tree if `strict`, else `(tree, report)`.
     """
-    named, leaves, treedef = _named_weights(target, "from_state_dict")
+    with calling("from_state_dict"):
+        named, leaves, treedef = _named_weights(target)
     by_target, _ = _renamed(state_dict, key_map)
     missing: list[str] = []
     mismatched: list[str] = []

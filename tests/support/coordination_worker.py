@@ -37,12 +37,19 @@ jax.distributed.initialize(
 
 from jax._src.distributed import global_state  # noqa: E402
 
+from eqx_train.checkpoints._errors import calling  # noqa: E402
 from eqx_train.checkpoints.pipeline import _coordination as co  # noqa: E402
 
 _client = global_state.client
 assert _client is not None  # jax.distributed is initialized above
 client = _client  # the tests' own side channel, outside eqx_train's keys
 SLACK_S = 1.5
+
+
+def _named(name, run, *args, **kwargs):
+    """`run(*args, **kwargs)` as the public call `name` (its errors name it)."""
+    with calling(name):
+        return run(*args, **kwargs)
 
 
 def expect_timeout(run, timeout_s, *, naming):
@@ -69,12 +76,12 @@ def eqx_keys():
 
 def section_values():
     op = co.next_id("t")
-    assert co.broadcast(op, f"from {me}", timeout_s=10, caller="test") == "from 0"
-    assert co.gather(co.next_id("t"), f"v{me}", timeout_s=10, caller="test") == ["v0", "v1"]
-    co.barrier(co.next_id("t"), timeout_s=10, caller="test")
+    assert co.broadcast(op, f"from {me}", timeout_s=10) == "from 0"
+    assert co.gather(co.next_id("t"), f"v{me}", timeout_s=10) == ["v0", "v1"]
+    co.barrier(co.next_id("t"), timeout_s=10)
     # Values with separators, JSON and non-ASCII text cross unchanged.
     odd = ["", "a/b", '{"x": [1]}', "\n\t ü 🙂"][me::2]
-    assert co.gather(co.next_id("t"), "|".join(odd), timeout_s=10, caller="test") == [
+    assert co.gather(co.next_id("t"), "|".join(odd), timeout_s=10) == [
         "|".join(["", '{"x": [1]}']),
         "|".join(["a/b", "\n\t ü 🙂"]),
     ]
@@ -85,9 +92,9 @@ def section_values():
         calls.append(1)
         return me == 0
 
-    assert co.decide(co.next_id("d"), decision, timeout_s=10, caller="test") is True
+    assert co.decide(co.next_id("d"), decision, timeout_s=10) is True
     assert len(calls) == (1 if me == 0 else 0)
-    assert co.decide(co.next_id("d"), lambda: f"p{me}", timeout_s=10, caller="test") == "p0"
+    assert co.decide(co.next_id("d"), lambda: f"p{me}", timeout_s=10) == "p0"
 
 
 def section_decide_fails():
@@ -96,7 +103,7 @@ def section_decide_fails():
 
     start = time.monotonic()
     try:
-        co.decide(co.next_id("d"), fail, timeout_s=30, caller="test")
+        co.decide(co.next_id("d"), fail, timeout_s=30)
     except OSError as error:
         assert me == 0 and "disk full" in str(error)
     except RuntimeError as error:
@@ -109,12 +116,12 @@ def section_decide_fails():
 def section_keys_bounded():
     peak, start = 0, time.monotonic()
     for n in range(1000):
-        values = co.gather(co.next_id("many"), str(n), timeout_s=10, caller="test")
+        values = co.gather(co.next_id("many"), str(n), timeout_s=10)
         assert values == [str(n), str(n)], values
         if me == 0 and n % 50 == 49:
             peak = max(peak, sum(key.startswith("eqx_train/many/") for key in eqx_keys()))
     seconds = time.monotonic() - start
-    co.barrier(co.next_id("other"), timeout_s=10, caller="test")
+    co.barrier(co.next_id("other"), timeout_s=10)
     if me == 0:
         # Each kind keeps the keys of its last finished operation (2 arrivals and the
         # outcome) and of the next one, if process 1 has already started it.
@@ -134,29 +141,29 @@ def section_late():
     failed_op, next_op = co.next_id("t"), co.next_id("t")
     if me == 0:
         message, elapsed = expect_timeout(
-            lambda: co.barrier(failed_op, timeout_s=2, caller="save_test"), 2, naming=[1]
+            lambda: _named("save_test", co.barrier, failed_op, timeout_s=2), 2, naming=[1]
         )
         assert elapsed >= 2, elapsed
         for part in (failed_op, "save_test", "2s", "process 0 waited"):
             assert part in message, (part, message)
         client.key_value_set("test/zero_gave_up", "")
         # Process 1 now arrives at the failed operation, then at this one.
-        assert co.gather(next_op, "zero", timeout_s=20, caller="test") == ["zero", "one"]
+        assert co.gather(next_op, "zero", timeout_s=20) == ["zero", "one"]
         client.blocking_key_value_get("test/one_raised", 1000)
     else:
         client.blocking_key_value_get("test/zero_gave_up", 20_000)
         start = time.monotonic()
         message, _ = expect_timeout(
-            lambda: co.barrier(failed_op, timeout_s=20, caller="save_test"), 20, naming=[1]
+            lambda: _named("save_test", co.barrier, failed_op, timeout_s=20), 20, naming=[1]
         )
         # It learns of the failure at once, and that it came too late.
         assert time.monotonic() - start < 2 and "Process 1 itself arrived after" in message
         client.key_value_set("test/one_raised", "")
-        assert co.gather(next_op, "one", timeout_s=20, caller="test") == ["zero", "one"]
+        assert co.gather(next_op, "one", timeout_s=20) == ["zero", "one"]
 
 
 def section_preemption():
-    co.barrier(co.next_id("t"), timeout_s=20, caller="test")
+    co.barrier(co.next_id("t"), timeout_s=20)
     for step in range(1000):
         if me == 0 and step == 20:
             os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's preemption notice
@@ -169,7 +176,7 @@ def section_preemption():
 
 
 def sigkill():
-    co.barrier(co.next_id("t"), timeout_s=20, caller="test")
+    co.barrier(co.next_id("t"), timeout_s=20)
     op = co.next_id("t")
     if me == 1:
         client.blocking_key_value_get("test/zero_waits", 20_000)
@@ -180,7 +187,7 @@ def sigkill():
     # before the 30s timeout; the other modes see our own timeout first.
     timeout_s = 30 if mode == "sigkill_short_heartbeat" else 4
     message, _ = expect_timeout(
-        lambda: co.gather(op, "zero", timeout_s=timeout_s, caller="test"), timeout_s, naming=[1]
+        lambda: co.gather(op, "zero", timeout_s=timeout_s), timeout_s, naming=[1]
     )
     print("RAISED", message, flush=True)
     if mode == "sigkill_recoverable":

@@ -242,7 +242,7 @@ elif mode == "manager":
     from eqx_train.checkpoints.pipeline import _coordination
 
     def barrier():
-        _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
+        _coordination.barrier(_coordination.next_id("test"), timeout_s=60)
 
     barrier()
     if pid == 1:
@@ -365,11 +365,11 @@ elif mode == "desync":
     # Process 1 fails before the opening exchange (a leaf it cannot save): every process
     # fails this save, and at once, not after the timeout.
     describe_fails = TypeError("injected: process 1 cannot describe its tree")
-    on_process_1_fail_once(checkpoints._api._description, "describe", describe_fails)
+    on_process_1_fail_once(checkpoints.format._description, "describe", describe_fails)
     fails_everywhere(2, 2, "injected", "process 1 (TypeError: injected", timeout_s=60)
     save(3, 3, timeout_s=60)  # the next save works
     # The same with a fixed step and overwrite: never a checkpoint of two saves' rows.
-    on_process_1_fail_once(checkpoints._api._description, "describe", describe_fails)
+    on_process_1_fail_once(checkpoints.format._description, "describe", describe_fails)
     fails_everywhere(3, 30, "injected", "process 1 (TypeError: injected", overwrite=True,
                      timeout_s=60)  # fmt: skip
     save(3, 31, overwrite=True, timeout_s=60)
@@ -520,7 +520,7 @@ elif mode == "rp_lone":  # process 0 restores alone once; then both restore toge
     from eqx_train.checkpoints.pipeline import _coordination, _read_once
 
     def barrier():
-        _coordination.barrier(_coordination.next_id("test"), timeout_s=60, caller="test")
+        _coordination.barrier(_coordination.next_id("test"), timeout_s=60)
 
     checkpoints.save_checkpoint_multiprocess(directory, rp_tree(5), 5, timeout_s=60)
     _read_once.TIMEOUT_S = 3  # the wait for the absent peer, shortened

@@ -1,260 +1,47 @@
-"""The tree description and the leaf kinds: what a pytree becomes in a checkpoint, without
-the bytes.
+"""The tree description: what a pytree becomes in a checkpoint, without the bytes.
 
 `describe` turns a pytree into a JSON description (dicts, lists, tuples, other pytree
 nodes as named children, strings kept, non-data leaves skipped) and the `Tensor`s to write;
 `validate_description` checks a description read from a file before it is trusted;
-`rebuild` turns it back into a tree of NumPy arrays. One table (`LEAF_KINDS`) says which
-leaf kinds exist and how each is saved, rebuilt and filled into a target, and one table
-(`CODE_TO_DTYPE`) which dtypes a tensor may have and their safetensors codes.
+`rebuild` turns it back into a tree of NumPy arrays. The leaf kinds and dtypes are
+`_leaf_kinds`' (re-exported here).
 """
 
 from __future__ import annotations
 
-import cmath
-import functools
-import json
-import math
 import numbers
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
 
 if TYPE_CHECKING:
     import jax
-    import jax.numpy as jnp
     import jax.tree_util as jtu
 else:  # imported on first use: the command line reads headers without JAX
     from ..._lazy import LazyModule
 
     jax = LazyModule("jax")
-    jnp = LazyModule("jax.numpy")
     jtu = LazyModule("jax.tree_util")
 
-from ..._tree import as_weak, is_state, path_to_name, place_like, state_entries
-from .._errors import short
-from ._names import RESERVED_TENSOR_NAMES
-
-MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too
-
-Arrays = Mapping[str, tuple[tuple[int, ...], np.dtype]]
-"""Every tensor of a checkpoint: name -> (shape, dtype)."""
-
-DTYPE_TO_CODE: dict[np.dtype, str] = {
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.uint64): "U64",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.float16): "F16",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float64): "F64",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
-    np.dtype(np.complex64): "C64",
-    # Not a safetensors code: a file's header stores a complex128 tensor as F64 with a
-    # trailing axis of 2 (`_format`); this code names it in checksums and `.shards` indexes.
-    np.dtype(np.complex128): "C128",
-}
-CODE_TO_DTYPE = {code: dtype for dtype, code in DTYPE_TO_CODE.items()}
-
-
-def dtype_code(dtype: Any, name: str, caller: str) -> str:
-    try:
-        return DTYPE_TO_CODE[np.dtype(dtype)]
-    except (KeyError, TypeError):
-        supported = ", ".join(sorted(str(d) for d in DTYPE_TO_CODE))
-        raise TypeError(
-            f"{caller}: leaf '{name}' has dtype {dtype}, which safetensors cannot store. "
-            f"Supported dtypes: {supported}."
-        ) from None
-
-
-# --------------------------------------------------------------------------------------------
-# The leaf kinds: one table, used to describe a tree, rebuild it, and fill a target.
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor to write: its name, a way to get its NumPy value, and the array it came
-    from (a `jax.Array` whose shards a multi-process save writes piece by piece). `owned`:
-    the source is a snapshot copy made for this save (or `get` holds the caller's buffers in
-    place, `_transfer.Pins`), which the writer frees once written."""
-
-    name: str
-    get: Callable[[], np.ndarray]
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    source: Any = None
-    owned: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def is_prng_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_key(x: Any) -> bool:
-    """A typed PRNG key, or an abstract one (a `ShapeDtypeStruct` of a key dtype, as
-    `eqx.filter_eval_shape` gives for a model holding a key): a target may hold either."""
-    return is_prng_key(x) or (
-        isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-    )
-
-
-def key_impl(key: Any) -> Any:
-    """The PRNG implementation of a typed key, concrete or abstract."""
-    if not isinstance(key, jax.ShapeDtypeStruct):
-        return jax.random.key_impl(key)
-    found = []
-
-    def key_data(traced: Any) -> Any:
-        found.append(jax.random.key_impl(traced))
-        return jax.random.key_data(traced)
-
-    jax.eval_shape(key_data, key)
-    return found[0]
-
-
-def _key_data(key: Any) -> Any:
-    """A key's data: its uint32 array (a `ShapeDtypeStruct` of it for an abstract key)."""
-    if isinstance(key, jax.ShapeDtypeStruct):
-        return jax.eval_shape(jax.random.key_data, key)
-    return jax.random.key_data(key)
-
-
-@dataclass(frozen=True)
-class LeafKind:
-    """How one kind of leaf is saved (as a 0-d or n-d tensor), rebuilt without a target, and
-    checked against a target leaf of the same kind."""
-
-    name: str
-    test: Callable[[Any], bool]
-    data: Callable[[Any], Any]  # the leaf as an array-like with .dtype/.shape
-    rebuild: Callable[[np.ndarray, dict[str, Any]], Any]
-    fill: Callable[[Any, np.ndarray], Any]  # (target leaf, file array) -> restored leaf
-    scalar_type: type | None = None  # Python scalars: any dtype whose value converts exactly
-
-
-def _wrap_key(array: np.ndarray, impl: Any) -> Any:
-    return jax.random.wrap_key_data(jnp.asarray(array), impl=impl)
-
-
-def _place_key(data: np.ndarray, like: Any) -> Any:
-    """The typed key array of key data `data`, placed as the target key `like`."""
-    impl = key_impl(like)
-    sharding = getattr(like, "sharding", None)
-    if sharding is not None and not sharding.is_fully_addressable:
-        # Over several processes: `device_put` refuses a key array made on one device, so
-        # every process builds its own blocks from the same host data.
-        wrap = functools.partial(jax.random.wrap_key_data, impl=impl)
-        return jax.jit(wrap, out_shardings=sharding)(data)
-    return place_like(_wrap_key(data, impl), like)
-
-
-def _exact_scalar(kind: type) -> Callable[[Any, np.ndarray], Any]:
-    def fill(leaf: Any, array: np.ndarray) -> Any:
-        value = array[()].item()  # a Python number: comparisons below are exact
-        try:
-            converted = type(leaf)(value)
-        except (ValueError, OverflowError, TypeError):
-            converted = None
-        same = converted is not None and (
-            converted == value
-            or (
-                isinstance(converted, float | complex)
-                and cmath.isnan(converted)
-                and cmath.isnan(value)
-            )
-        )
-        if not same or (kind is not bool and isinstance(value, bool)):
-            raise ValueError(
-                f"the file holds {short(value)} ({array.dtype}), not exactly a {kind.__name__}"
-            )
-        return converted
-
-    return fill
-
-
-def _rebuild_array(array: np.ndarray, entry: dict[str, Any]) -> Any:
-    """A file's array as saved: NumPy, or a weakly typed `jax.Array` when it was one."""
-    return as_weak(jnp.asarray(array)) if entry.get("weak_type") else array
-
-
-LEAF_KINDS: tuple[LeafKind, ...] = (
-    LeafKind(
-        "prng_key",
-        _is_key,
-        _key_data,
-        lambda a, entry: _wrap_key(a, entry["impl"]),
-        lambda leaf, a: _place_key(a, leaf),
-    ),
-    LeafKind(
-        "array",
-        lambda x: isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct),
-        lambda x: x,
-        _rebuild_array,
-        lambda leaf, a: a if isinstance(leaf, np.ndarray) else place_like(a, leaf),
-    ),
-    LeafKind(
-        "numpy_scalar",
-        lambda x: isinstance(x, np.generic),
-        np.asarray,
-        lambda a, entry: a[()],
-        lambda leaf, a: a[()],
-    ),
-    # bool before int before float: an IntEnum is an int, bool is an int too.
-    LeafKind(
-        "bool",
-        lambda x: isinstance(x, bool),
-        lambda x: np.asarray(x, np.bool_),
-        lambda a, entry: bool(a.item()),
-        _exact_scalar(bool),
-        bool,
-    ),
-    LeafKind(
-        "int",
-        lambda x: isinstance(x, int),
-        lambda x: np.asarray(x, np.int64),
-        lambda a, entry: int(a.item()),
-        _exact_scalar(int),
-        int,
-    ),
-    LeafKind(
-        "float",
-        lambda x: isinstance(x, float),
-        lambda x: np.asarray(x, np.float64),
-        lambda a, entry: float(a.item()),
-        _exact_scalar(float),
-        float,
-    ),
-    LeafKind(
-        "complex",
-        lambda x: isinstance(x, complex),
-        lambda x: np.asarray(x, np.complex128),
-        lambda a, entry: complex(a.item()),
-        _exact_scalar(complex),
-        complex,
-    ),
+from ..._tree import is_state, path_to_name, state_entries
+from .._errors import call, short
+from ._json import parse_json as parse_json
+from ._leaf_kinds import (
+    CODE_TO_DTYPE as CODE_TO_DTYPE,
+    DTYPE_TO_CODE as DTYPE_TO_CODE,
+    KIND_BY_NAME as KIND_BY_NAME,
+    LEAF_KINDS as LEAF_KINDS,
+    MAX_DEPTH as MAX_DEPTH,
+    Arrays as Arrays,
+    LeafKind as LeafKind,
+    Tensor as Tensor,
+    dtype_code as dtype_code,
+    is_prng_key as is_prng_key,
+    key_impl as key_impl,
+    kind_of as kind_of,
 )
-KIND_BY_NAME = {kind.name: kind for kind in LEAF_KINDS}
-
-
-def kind_of(leaf: Any) -> LeafKind | None:
-    """The kind of a tensor leaf, or None for leaves that are not data (str, functions...)."""
-    return next((kind for kind in LEAF_KINDS if kind.test(leaf)), None)
-
+from ._names import RESERVED_TENSOR_NAMES
 
 # --------------------------------------------------------------------------------------------
 # Tree description: pytree <-> JSON.
@@ -280,74 +67,85 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
+def _add_tensor(
+    keys: tuple[Any, ...],
+    kind: LeafKind,
+    leaf: Any,
+    tensors: list[Tensor],
+    seen: set[str],
+    allow_global: bool,
+) -> dict[str, Any]:
+    """Appends the `Tensor` of data leaf `leaf` at `keys` to `tensors` (`seen`: the tensor
+    names so far) and returns its entry in the description; raises, naming the leaf, for
+    what cannot be saved faithfully."""
+    name = path_to_name(keys)
+    if name in RESERVED_TENSOR_NAMES:
+        raise ValueError(
+            f"{call()}: the tensor name '{name}' is reserved by the safetensors format "
+            "(it holds the file's metadata). Rename that key."
+        )
+    if not name.isascii() and not _is_utf8(name):
+        raise ValueError(
+            f"{call()}: the tensor name {name!r} is not valid UTF-8 (a key holds a lone "
+            "surrogate, e.g. a file name decoded with errors='surrogateescape'); a "
+            "safetensors header is UTF-8 JSON. Rename that key."
+        )
+    if name in seen:
+        raise ValueError(
+            f"{call()}: two leaves map to the tensor name '{name}' (a key contains '.' "
+            "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
+        )
+    seen.add(name)
+    if kind.name == "int" and not -(2**63) <= leaf < 2**63:
+        raise OverflowError(
+            f"{call()}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
+        )
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        # Every save path (sync, async, multi-process) describes its tree first: one
+        # check, before anything is written or snapshotted.
+        raise RuntimeError(
+            f"{call()}: leaf '{name}' is a jax.Array whose buffer has been deleted: it "
+            "was donated to a jitted function (a jit_step or pmap_step, or jax.jit with "
+            "donate_argnums) or deleted. Save the state that function returned, not "
+            "the one passed to it."
+        )
+    data = kind.data(leaf)
+    if not allow_global and isinstance(data, jax.Array) and not data.is_fully_addressable:
+        raise ValueError(
+            f"{call()}: leaf '{name}' is a jax.Array spread over several processes (not "
+            "fully addressable), so no single process can write it. In a multi-process "
+            "job use save_checkpoint_multiprocess, called on every process."
+        )
+    dtype_code(data.dtype, name)
+    if isinstance(data, jax.ShapeDtypeStruct):
+        raise TypeError(f"{call()}: leaf '{name}' is a ShapeDtypeStruct, which holds no data.")
+    tensors.append(
+        Tensor(
+            name,
+            (lambda d=data: np.asarray(d)),
+            np.dtype(data.dtype),
+            tuple(int(s) for s in data.shape),
+            data,
+        )
+    )
+    entry: dict[str, Any] = {"tensor": name, "kind": kind.name}
+    if kind.name == "prng_key":
+        entry["impl"] = str(jax.random.key_impl(leaf))
+    if getattr(data, "weak_type", False):
+        entry["weak_type"] = True
+    return entry
+
+
+def describe(tree: Any, *, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
     """The JSON description of `tree` and its tensors in order. Raises, before anything is
     written, naming the leaf path, for what cannot be saved faithfully."""
     tensors: list[Tensor] = []
     seen: set[str] = set()
 
-    def add_tensor(keys: tuple[Any, ...], kind: LeafKind, leaf: Any) -> dict[str, Any]:
-        name = path_to_name(keys)
-        if name in RESERVED_TENSOR_NAMES:
-            raise ValueError(
-                f"{caller}: the tensor name '{name}' is reserved by the safetensors format "
-                "(it holds the file's metadata). Rename that key."
-            )
-        if not name.isascii() and not _is_utf8(name):
-            raise ValueError(
-                f"{caller}: the tensor name {name!r} is not valid UTF-8 (a key holds a lone "
-                "surrogate, e.g. a file name decoded with errors='surrogateescape'); a "
-                "safetensors header is UTF-8 JSON. Rename that key."
-            )
-        if name in seen:
-            raise ValueError(
-                f"{caller}: two leaves map to the tensor name '{name}' (a key contains '.' "
-                "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
-            )
-        seen.add(name)
-        if kind.name == "int" and not -(2**63) <= leaf < 2**63:
-            raise OverflowError(
-                f"{caller}: leaf '{name}' is the int {short(leaf)}, which does not fit in int64."
-            )
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            # Every save path (sync, async, multi-process) describes its tree first: one
-            # check, before anything is written or snapshotted.
-            raise RuntimeError(
-                f"{caller}: leaf '{name}' is a jax.Array whose buffer has been deleted: it "
-                "was donated to a jitted function (a jit_step or pmap_step, or jax.jit with "
-                "donate_argnums) or deleted. Save the state that function returned, not "
-                "the one passed to it."
-            )
-        data = kind.data(leaf)
-        if not allow_global and isinstance(data, jax.Array) and not data.is_fully_addressable:
-            raise ValueError(
-                f"{caller}: leaf '{name}' is a jax.Array spread over several processes (not "
-                "fully addressable), so no single process can write it. In a multi-process "
-                "job use save_checkpoint_multiprocess, called on every process."
-            )
-        dtype_code(data.dtype, name, caller)
-        if isinstance(data, jax.ShapeDtypeStruct):
-            raise TypeError(f"{caller}: leaf '{name}' is a ShapeDtypeStruct, which holds no data.")
-        tensors.append(
-            Tensor(
-                name,
-                (lambda d=data: np.asarray(d)),
-                np.dtype(data.dtype),
-                tuple(int(s) for s in data.shape),
-                data,
-            )
-        )
-        entry: dict[str, Any] = {"tensor": name, "kind": kind.name}
-        if kind.name == "prng_key":
-            entry["impl"] = str(jax.random.key_impl(leaf))
-        if getattr(data, "weak_type", False):
-            entry["weak_type"] = True
-        return entry
-
     def visit(node: Any, keys: tuple[Any, ...]) -> Any:
         if len(keys) > MAX_DEPTH:
             raise ValueError(
-                f"{caller}: the tree is nested more than {MAX_DEPTH} levels deep at "
+                f"{call()}: the tree is nested more than {MAX_DEPTH} levels deep at "
                 f"'{path_to_name(keys)}'."
             )
         if node is None:
@@ -357,13 +155,13 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
             and not isinstance(node, np.generic | int | float | complex)
         ):
             raise TypeError(
-                f"{caller}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
+                f"{call()}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
                 "be saved faithfully (Decimal, Fraction and masked arrays are refused rather "
                 "than dropped); convert it to an array of a supported dtype."
             )
         kind = kind_of(node)
         if kind is not None:
-            return add_tensor(keys, kind, node)
+            return _add_tensor(keys, kind, node, tensors, seen, allow_global)
         if isinstance(node, str):
             return {"str": node}
         pairs = _children(node)
@@ -375,7 +173,7 @@ def describe(tree: Any, *, caller: str, allow_global: bool = False) -> tuple[Any
                 raw = key.key
                 if not isinstance(raw, str | int) or isinstance(raw, bool):
                     raise TypeError(
-                        f"{caller}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
+                        f"{call()}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
                         f"{type(raw).__name__}; only str and int keys can be saved."
                     )
                 entries.append(
@@ -531,34 +329,3 @@ def rebuild(description: Any, load: Callable[[str], np.ndarray]) -> Any:
         return {key: visit(child) for key, child in d["children"]}
 
     return visit(description)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise ValueError("a JSON object repeats a key")
-    return result
-
-
-# JSON nested deeper than this is refused: Python's own parser runs out of stack somewhere
-# below 1000 levels on 3.11 and not at all on 3.13, and the code walking a parsed header
-# recurses, so one bound makes every Python give the same answer.
-MAX_JSON_DEPTH = 500
-
-
-def parse_json(raw: bytes | str, what: str, bad: Callable[[str], Exception]) -> Any:
-    try:
-        parsed = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except RecursionError:
-        raise bad(f"{what} is nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as error:
-        raise bad(f"{what} is not valid JSON ({short(str(error), 120)})") from None
-    stack = [(parsed, 1)]
-    while stack:  # without recursion: the depth is what is being bounded
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        if isinstance(node, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                raise bad(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep")
-            stack.extend((child, depth + 1) for child in children)
-    return parsed

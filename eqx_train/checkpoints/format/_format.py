@@ -1,102 +1,66 @@
-"""The safetensors bytes: the header codec, the one writer, and the one file reader.
+"""The safetensors bytes: the one writer (the header encoded, the tensors laid out and
+written, their checksums computed as they go), and the one file reader (`_reader`'s, with
+the layout, re-exported here).
 
-Layout (see docs/checkpoint_format.md), a plain safetensors file:
-
-    [8 bytes: little-endian u64 N][N bytes: JSON header, space-padded][tensor bytes]
-
-The padding makes the tensor bytes start on a 4 KiB page (64 bytes in files of under 1 MiB
-of data), and the writer lays out the tensors whose size is a whole number of pages first,
-then those of a whole number of 64 bytes (`file_order`), so that each of them starts on a
-page or on 64 bytes; the header lists them in tree order.
-
-The header maps each tensor name (the leaf's key path joined by '.') to its dtype, shape and
-byte range, and holds `__metadata__` (string -> string) with our keys (named in `_names`):
-
-- `eqx_train.format` / `eqx_train.format_version`: "eqx_train.checkpoint" / "1" ("2" when the
-  file holds a complex tensor, so that readers of version 1 refuse it as newer)
-- `eqx_train.step`: the step, as JSON
-- `eqx_train.tree`: the tree description (JSON, see `_description`), enough to rebuild the
-  pytree without a target
-- `eqx_train.checksums`: xxh3-64 of every tensor (seeded with its dtype and shape) and of the
-  tree description; absent in files written before checksums existed.
-- `eqx_train.complex128`: the tensors stored as F64 with a trailing axis of 2 that are
-  complex128 (safetensors has no code for it; the bytes are the same); absent when none are.
-
-Everything read from a file is validated before it is trusted or allocated: a malformed file
-raises a short `CheckpointFormatError` naming the file and what is wrong. Checksums are
-`_checksums`'.
+The writer knows nothing of devices: each leaf's host bytes come from the source that
+`leaves_from` sets (the save pipeline's transfers, `pipeline._transfer.through_window`),
+or are read as each is written outside a save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
-import math
 import os
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import closing
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
-from ..pipeline import _transfer
-from ..pipeline._window import HostWindow, add_stage, current_window, stage, timing
-from ..storage import Source
-from ..storage._local import LocalStorage, start_writeback
+from .._errors import call
+from ..storage._local import start_writeback
 from . import _header_codes
-from ._checksums import checksum, chunks, hasher, text_digest, verify_bytes
-from ._description import DTYPE_TO_CODE, Arrays, Tensor, parse_description, parse_json
+from ._checksums import checksum, chunks, hasher, text_digest
+from ._header_codes import (
+    ALIGN_FOR_DEVICE,
+    MAX_HEADER_BYTES as MAX_HEADER_BYTES,
+    as_bytes,
+)
+from ._leaf_kinds import DTYPE_TO_CODE, Tensor
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
     FORMAT_KEY,
     FORMAT_NAME,
-    FORMAT_VERSION,
     FORMAT_VERSION_KEY,
     METADATA_KEY,
     PLAIN_FORMAT_VERSION,
     STEP_KEY,
     TREE_KEY,
 )
+from ._reader import (
+    MAX_NDIM as MAX_NDIM,
+    FileReader as FileReader,
+    ReaderBase as ReaderBase,
+    TensorInfo as TensorInfo,
+    aligned_empty as aligned_empty,
+    normalize_index as normalize_index,
+    too_big as too_big,
+)
+from ._timing import stage, timing
 
-# A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
-# Python objects, so the cap is what bounds a hostile file's memory.
-MAX_HEADER_BYTES = 32 * 1024 * 1024
-MAX_NDIM = 64
-_MIN_BYTES_PER_CONTAINER = 8
-_ALIGN_FOR_DEVICE = 64
 # The data section starts on a page once there is this much data: copies between the page
 # cache and 64-byte-aligned buffers then run at memcpy speed (tensors starting 40 bytes past
 # a 64-byte boundary read 10-30% slower here). Smaller files start on 64 bytes.
 _PAGE = 4096
 _PAGE_ALIGNED_FROM = 1 << 20
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
-_PARALLEL_MIN_BYTES = 16 << 20
 _STREAM_CHUNK = 16 << 20  # bytes per write to an upload stream
 _WRITE_BLOCK = 16 << 20  # bytes per write to a file: a crash test can stop between them
-_FIRST_READ = 16 << 10  # the first request reads the length field and most headers
 _NO_DIGEST = "0" * 16
-
-
-# --------------------------------------------------------------------------------------------
-# Header: encode when writing, parse and validate when reading.
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute file offset
-    nbytes: int
-    checksum: str | None = None
-
-    @property
-    def code(self) -> str:
-        return DTYPE_TO_CODE[self.dtype]
 
 
 def base_metadata(step_text: str, description: Any) -> dict[str, str]:
@@ -130,7 +94,7 @@ def _encode_header(
         code, shape = _header_codes.header_dtype(t)
         entries[t.name] = {"dtype": code, "shape": shape, "data_offsets": offsets[t.name]}
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    alignment = _PAGE if offset >= _PAGE_ALIGNED_FROM else _ALIGN_FOR_DEVICE
+    alignment = _PAGE if offset >= _PAGE_ALIGNED_FROM else ALIGN_FOR_DEVICE
     raw += b" " * (-(8 + len(raw)) % alignment)
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(
@@ -150,7 +114,7 @@ def file_order(tensors: Sequence[Tensor]) -> list[Tensor]:
 
     def rank(tensor: Tensor) -> int:
         return (
-            0 if tensor.nbytes % _PAGE == 0 else 1 if tensor.nbytes % _ALIGN_FOR_DEVICE == 0 else 2
+            0 if tensor.nbytes % _PAGE == 0 else 1 if tensor.nbytes % ALIGN_FOR_DEVICE == 0 else 2
         )
 
     return sorted(tensors, key=rank)  # stable
@@ -161,17 +125,13 @@ def _no_digests(tensors: Sequence[Tensor]) -> dict[str, str]:
     return dict.fromkeys((t.name for t in tensors), _NO_DIGEST)
 
 
-def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str], caller: str) -> None:
-    """Raises before anything is written if the file's header would be too big to read."""
+def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+    """Raises, naming the public call in progress, before anything is written if the file's
+    header would be too big to read."""
     try:
         _encode_header(tensors, metadata, _no_digests(tensors))
     except ValueError as error:
-        raise ValueError(f"{caller}: {error}") from None
-
-
-def _as_bytes(array: np.ndarray) -> memoryview:
-    flat = np.ascontiguousarray(array).reshape(-1)
-    return flat.view(np.uint8).data
+        raise ValueError(f"{call()}: {error}") from None
 
 
 def write_all(fd: int, data: memoryview) -> None:
@@ -182,13 +142,43 @@ def write_all(fd: int, data: memoryview) -> None:
         view = view[written:]
 
 
+# Where the writer's leaf values come from: given the tensors and whether this is the last
+# pass over them (a stream is passed over twice), each tensor with its value as a host NumPy
+# array, in order, each valid until the next is asked for.
+LeafSource = Callable[[Sequence[Tensor], bool], Generator[tuple[Tensor, np.ndarray], None, None]]
+
+
+def _plain_leaves(
+    tensors: Sequence[Tensor], final: bool
+) -> Generator[tuple[Tensor, np.ndarray], None, None]:
+    """Each leaf's value read as it is written: what the writer does outside a save."""
+    for tensor in tensors:
+        yield tensor, np.asarray(tensor.get())
+
+
+_leaf_source: contextvars.ContextVar[LeafSource] = contextvars.ContextVar(
+    "eqx_train_leaf_source", default=_plain_leaves
+)
+
+
+@contextlib.contextmanager
+def leaves_from(source: LeafSource) -> Iterator[None]:
+    """Within this block (in this thread), the writer takes its leaves from `source`: the
+    save pipeline sets its device transfers here, so that the writer keeps its
+    three-argument call and the byte format knows nothing of devices."""
+    token = _leaf_source.set(source)
+    try:
+        yield
+    finally:
+        _leaf_source.reset(token)
+
+
 def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
     """The one writer, to a file descriptor (`out: int`) or a binary stream (an upload).
 
-    Leaves reach the host through the transfer pipeline (`_transfer.host_arrays`): the
+    Leaves reach the host from the source `leaves_from` set (the save pipeline's: the
     transfers of the next leaves run while the current one is hashed and written, and at
-    most the save's `host_window_bytes` of leaf bytes (at least one leaf) are held on the
-    host (`_window.host_window_bytes` sets it around a save's commit).
+    most the save's `host_window_bytes` of leaf bytes are held on the host).
 
     To a file descriptor: the header, then each tensor's bytes hashed and written in turn,
     then the header again with the real checksums (digests have a fixed width, so it has
@@ -197,21 +187,21 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     (hashed again: a leaf that changed in between is refused rather than written under a
     wrong checksum); neither pass frees the snapshot, since the upload may be retried.
     """
-    window = current_window()
+    source = _leaf_source.get()
     if isinstance(out, int):
-        _write_to_fd(out, tensors, metadata, window)
+        _write_to_fd(out, tensors, metadata, source)
         return
     ordered, digests = file_order(tensors), {}
-    with closing(_transfer.host_arrays(ordered, window, final=False)) as leaves:
+    with closing(source(ordered, False)) as leaves:
         for t, array in leaves:
-            digests[t.name] = checksum(DTYPE_TO_CODE[t.dtype], t.shape, _as_bytes(array))
+            digests[t.name] = checksum(DTYPE_TO_CODE[t.dtype], t.shape, as_bytes(array))
     out.write(_encode_header(tensors, metadata, digests))
     # Not the final pass either: an upload may be tried again (a store that refuses
     # conditional writes), so the snapshot is let go by the save once it is over.
-    with closing(_transfer.host_arrays(ordered, window, final=False)) as leaves:
+    with closing(source(ordered, False)) as leaves:
         for t, array in leaves:
             check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
-            for block in chunks(_as_bytes(array), _STREAM_CHUNK):
+            for block in chunks(as_bytes(array), _STREAM_CHUNK):
                 for chunk in chunks(block):
                     check.update(chunk)
                 out.write(block)
@@ -222,10 +212,10 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
 
 
 def _write_to_fd(
-    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], window: HostWindow
+    fd: int, tensors: Sequence[Tensor], metadata: dict[str, str], source: LeafSource
 ) -> None:
     """The file in stages that run at once: the transfers of the next leaves (started by
-    `host_arrays` within the window), the hash of the current leaf (in its own thread) and
+    the leaf `source` within its window), the hash of the current leaf (in its own thread) and
     its write (in this thread, in order, so the file only ever grows: a crash leaves a
     prefix). A save then takes as long as its slowest stage, the disk's, plus the first
     transfer and the header."""
@@ -235,10 +225,10 @@ def _write_to_fd(
     digests = {}
     with (
         ThreadPoolExecutor(1, thread_name_prefix="eqx_train-hash") as hashing,
-        closing(_transfer.host_arrays(file_order(tensors), window)) as leaves,
+        closing(source(file_order(tensors), True)) as leaves,
     ):
         for t, array in leaves:
-            view = _as_bytes(array)
+            view = as_bytes(array)
             digest = hashing.submit(_timed_checksum, DTYPE_TO_CODE[t.dtype], t.shape, view)
             try:
                 with stage("write"):
@@ -265,303 +255,3 @@ def _write_to_fd(
 def _timed_checksum(code: str, shape: Sequence[int], view: memoryview) -> str:
     with stage("hash"):
         return checksum(code, shape, view)
-
-
-def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
-    """`index` with explicit, clipped bounds in every dimension (a sharding's slices use None)."""
-    if len(index) != len(shape):
-        raise ValueError(f"index {short(index)} does not match a tensor of shape {list(shape)}")
-    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
-
-
-def too_big(shape: Sequence[int], itemsize: int) -> bool:
-    """Whether NumPy would refuse to make an array of this shape even when it is empty (it
-    bounds the product of the dimensions counted as at least 1, in bytes)."""
-    return math.prod(max(d, 1) for d in shape) * max(itemsize, 1) >= 2**62
-
-
-def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary: XLA's CPU client then
-    adopts it without a copy when it is placed on a device (`jax.device_put`)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN_FOR_DEVICE, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN_FOR_DEVICE
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _is_count(x: Any) -> bool:
-    return type(x) is int and x >= 0
-
-
-class ReaderBase:
-    """What every checkpoint reader shares (the file, `.shards` and Hugging Face readers of
-    `_restore.Reader`): the tree description in its metadata, parsed and validated against
-    its tensors once, its errors, and use as a context manager."""
-
-    path: str
-    metadata: dict[str, str]
-    _description: Any = None
-
-    def bad(self, why: str) -> CheckpointFormatError:
-        return invalid(self.path)(why)
-
-    def arrays(self) -> Arrays:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def has_description(self) -> bool:
-        """False for a checkpoint written by another tool (no tree description)."""
-        return TREE_KEY in self.metadata
-
-    def tree_text(self) -> str:
-        """The tree description as stored (a reader may check it first)."""
-        return self.metadata[TREE_KEY]
-
-    def description(self) -> Any:
-        """The tree description, validated against `arrays()` (parsed on the first call)."""
-        if self._description is None:
-            self._description = parse_description(self.tree_text(), self.arrays(), self.bad)
-        return self._description
-
-
-class FileReader(ReaderBase):
-    """One open safetensors file: its validated header and reads of its tensors, all through
-    one file descriptor (a save that replaces the file meanwhile cannot mix two versions).
-
-    Use as a context manager. Non-regular files (a FIFO, a directory) are refused without
-    blocking.
-    """
-
-    def __init__(self, path: str, source: Source | None = None):
-        self.path = path
-        if source is None:
-            source = LocalStorage().open(path)
-        self.source = source
-        try:
-            self._parse()
-        except BaseException:
-            source.close()
-            raise
-
-    def check_unchanged(self) -> None:
-        """Raises `ObjectReplacedError` (a `FileNotFoundError`) if the file was replaced
-        since it was opened, so that what was read may mix two versions (object stores;
-        a local file is read through one descriptor and cannot change)."""
-        self.source.check_unchanged()
-
-    def close(self) -> None:
-        self.source.close()
-
-    def _parse(self) -> None:
-        size = self.source.size
-        if size < 8:
-            raise self.bad(f"the file has {size} bytes, fewer than the 8-byte header length")
-        # From an object store, one request for the length field and (usually all of) the
-        # header: each request costs a round trip. Locally, exactly the bytes needed.
-        first = bytearray(8 if self.source.cheap_reads else min(size, _FIRST_READ))
-        self.source.read_into(memoryview(first), 0)
-        header_len = int.from_bytes(first[:8], "little")
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise self.bad(
-                f"the header claims {header_len} bytes, but the file has {size - 8} after the "
-                f"length field and a header may have at most {MAX_HEADER_BYTES}"
-            )
-        raw = bytearray(header_len)
-        have = min(header_len, len(first) - 8)
-        raw[:have] = first[8 : 8 + have]
-        del first
-        if have < header_len:
-            self.source.read_into(memoryview(raw)[have:], 8 + have)
-        # Parsing costs ~60 bytes of Python objects per JSON object or array; a real header
-        # has one per 15+ bytes, a hostile one per 2. Refusing the dense ones bounds memory
-        # to a small multiple of the header size.
-        containers = raw.count(b"{") + raw.count(b"[")
-        if containers > 1024 and containers * _MIN_BYTES_PER_CONTAINER > header_len:
-            raise self.bad(
-                f"its header has {containers} JSON objects and arrays in {header_len} bytes, "
-                "far denser than any checkpoint's"
-            )
-        entries = parse_json(bytes(raw), "the header", self.bad)
-        del raw
-        if not isinstance(entries, dict):
-            raise self.bad("the header is not a JSON object")
-        metadata = entries.pop(METADATA_KEY, {})
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise self.bad("__metadata__ must map strings to strings")
-        version = metadata.get(FORMAT_VERSION_KEY)
-        if version is not None and version not in _header_codes.READABLE_VERSIONS:
-            why = (
-                f"it has eqx_train format version {short(version)}; this eqx_train reads "
-                f"versions {PLAIN_FORMAT_VERSION} to {FORMAT_VERSION}"
-            )
-            if _header_codes.is_newer(version):
-                raise NewerFormatError(
-                    f"{self.path} was written by a newer eqx_train: {why}. Upgrade eqx_train "
-                    "to read it (a checkpoint manager neither skips nor moves it; if no newer "
-                    "eqx_train wrote it, its header is corrupt: move it away by hand)"
-                )
-            raise self.bad(why)
-        checksums = self._checksums(metadata, set(entries))
-        wide = _header_codes.complex128_names(metadata, entries, self.bad)
-        data_start = 8 + header_len
-        data_size = size - data_start
-        tensors: dict[str, TensorInfo] = {}
-        spans = []
-        for name, entry in entries.items():
-            if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-                raise self.bad(f"tensor {short(name)} has a malformed entry {short(entry)}")
-            code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not isinstance(code, str) or code not in _header_codes.HEADER_CODES:
-                raise self.bad(f"tensor {short(name)} has unsupported dtype {short(code)}")
-            if (
-                not isinstance(shape, list)
-                or len(shape) > MAX_NDIM
-                or not all(_is_count(s) for s in shape)
-                or too_big(shape, _header_codes.HEADER_CODES[code].itemsize)
-            ):
-                raise self.bad(f"tensor {short(name)} has an invalid shape {short(shape)}")
-            if not (
-                isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
-            ):
-                raise self.bad(f"tensor {short(name)} has invalid data offsets {short(offsets)}")
-            begin, end = offsets
-            dtype = _header_codes.HEADER_CODES[code]
-            nbytes = math.prod(shape) * dtype.itemsize
-            if not begin <= end <= data_size or end - begin != nbytes:
-                raise self.bad(
-                    f"tensor {short(name)} claims bytes [{begin}, {end}) for "
-                    f"{code}{short(shape)}, but the data section has {data_size} bytes"
-                )
-            if name in wide:  # F64 pairs: the same bytes, read as complex128
-                dtype, shape = _header_codes.COMPLEX128, shape[:-1]
-            checksum = None if checksums is None else checksums[name]
-            tensors[name] = TensorInfo(
-                name, dtype, tuple(shape), data_start + begin, nbytes, checksum
-            )
-            spans.append((begin, end, name))
-        spans.sort()
-        for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
-            if b1 < e0:
-                raise self.bad(f"tensors {short(n0)} and {short(n1)} overlap")
-        self.tensors = tensors
-        self.metadata: dict[str, str] = metadata
-        self._description: Any = None
-
-    def _checksums(self, metadata: dict[str, str], names: set[str]) -> dict[str, str] | None:
-        raw = metadata.get(CHECKSUMS_KEY)
-        if raw is None:
-            return None  # written before checksums existed: nothing to verify
-        parsed = parse_json(raw, "the checksum table", self.bad)
-        ok = (
-            isinstance(parsed, dict)
-            and parsed.get("algorithm") == CHECKSUM_ALGORITHM
-            and isinstance(parsed.get("metadata"), dict)
-            and isinstance(parsed.get("tensors"), dict)
-            and all(isinstance(v, str) and len(v) == 16 for v in parsed["tensors"].values())
-        )
-        if not ok:
-            raise self.bad("its checksum table is malformed")
-        table: dict[str, str] = parsed["tensors"]
-        if set(table) != names:
-            odd = sorted(set(table) ^ names)[:5]
-            raise self.bad(f"its checksum table and its tensors disagree on the names {short(odd)}")
-        sealed: dict[str, Any] = parsed["metadata"]
-        for key in set(metadata) - {CHECKSUMS_KEY} | set(sealed):
-            value = metadata.get(key)
-            if value is None or sealed.get(key) != text_digest(value):
-                what = "tree description" if key == TREE_KEY else f"metadata {short(key)}"
-                raise self.bad(f"its {what} fails its checksum")
-        return table
-
-    # ------------------------------------------------------------------ contents
-
-    def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        return {name: (info.shape, info.dtype) for name, info in self.tensors.items()}
-
-    def files(self) -> dict[str, FileReader]:
-        """This file, by its path (the layouts of several files list each)."""
-        return {self.path: self}
-
-    def read(
-        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
-    ) -> np.ndarray:
-        """Tensor `name`, or its block `index` (a tuple of slices with explicit bounds).
-
-        A whole tensor is read into its final buffer and verified against its checksum.
-        Without verification, a block reads only the rows (axis 0) that overlap it.
-        """
-        info = self.tensors[name]
-        index = None if index is None else normalize_index(index, info.shape)
-        whole = index is None or all(
-            (s.start, s.stop) == (0, d) for s, d in zip(index, info.shape, strict=True)
-        )
-        if whole or verify or not info.shape:
-            out = aligned_empty(info.shape, info.dtype)
-            self._fill(info, out, verify)
-            return out if whole else out[index].copy()
-        assert index is not None
-        first, stop = index[0].start, index[0].stop
-        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
-        rows = aligned_empty((stop - first, *info.shape[1:]), info.dtype)
-        if rows.nbytes:
-            self.source.read_into(_as_bytes(rows), info.start + first * row_bytes)
-        return rows[(slice(None), *index[1:])].copy() if len(index) > 1 else rows
-
-    def _fill(self, info: TensorInfo, out: np.ndarray, verify: bool) -> None:
-        """Reads tensor `info` into `out` (and checks it). Locally chunk by chunk, each
-        hashed while still in cache; from an object store in parallel ranged requests."""
-        view = _as_bytes(out) if info.nbytes else memoryview(b"")
-        check = verify and info.checksum
-        if not self.source.cheap_reads or not check:
-            with stage("read"):
-                self.source.read_ranges([(view, info.start)])
-            if check:
-                with stage("verify"):
-                    verify_bytes(info, view, self.bad)
-            return
-        offset, reading, start = info.start, 0.0, time.perf_counter()
-
-        def read_chunk(chunk: memoryview) -> None:
-            nonlocal offset, reading
-            began = time.perf_counter()
-            self.source.read_into(chunk, offset)
-            reading += time.perf_counter() - began
-            offset += len(chunk)
-
-        verify_bytes(info, view, self.bad, read_chunk)
-        if timing():  # for the stage breakdown: reads and hashes alternate chunk by chunk
-            add_stage("read", reading)
-            add_stage("verify", time.perf_counter() - start - reading)
-
-    def read_many(
-        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
-    ) -> dict[str, np.ndarray]:
-        """Whole tensors, read (and verified) by several threads when they are large."""
-        if not self.source.cheap_reads:
-            # An object store: every range at once, so requests overlap.
-            infos = [self.tensors[n] for n in names]
-            outs = [aligned_empty(i.shape, i.dtype) for i in infos]
-            self.source.read_ranges(
-                [(_as_bytes(o), i.start) for o, i in zip(outs, infos, strict=True) if i.nbytes]
-            )
-            for info, out in zip(infos, outs, strict=True):
-                if verify and info.checksum:
-                    view = _as_bytes(out) if info.nbytes else memoryview(b"")
-                    verify_bytes(info, view, self.bad)
-            return dict(zip(names, outs, strict=True))
-        total = sum(self.tensors[n].nbytes for n in names)
-        if parallel and len(names) > 1 and total >= _PARALLEL_MIN_BYTES:
-            with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
-                arrays = list(pool.map(lambda n: self.read(n, verify=verify), names))
-        else:
-            arrays = [self.read(n, verify=verify) for n in names]
-        return dict(zip(names, arrays, strict=True))

@@ -17,8 +17,22 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointFormatError, short
-from ._description import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor, parse_json
+from ._json import parse_json
+from ._leaf_kinds import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor
 from ._names import COMPLEX128_KEY, FORMAT_VERSION, FORMAT_VERSION_KEY, PLAIN_FORMAT_VERSION
+
+# A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
+# Python objects, so the cap is what bounds a hostile file's memory.
+MAX_HEADER_BYTES = 32 * 1024 * 1024
+ALIGN_FOR_DEVICE = 64
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """The bytes of `array` as they are written and read: C order, no copy when it is
+    contiguous already."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.view(np.uint8).data
+
 
 READABLE_VERSIONS = frozenset(map(str, range(PLAIN_FORMAT_VERSION, FORMAT_VERSION + 1)))
 COMPLEX128 = np.dtype(np.complex128)

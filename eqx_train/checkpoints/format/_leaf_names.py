@@ -21,9 +21,10 @@ else:
     jtu = LazyModule("jax.tree_util")
 
 from ..._tree import flatten_with_names, is_state, path_to_name
+from .._errors import call
 
 
-def leaf_names(target: Any, available: Mapping[str, Any], path: str, caller: str) -> list[str]:
+def leaf_names(target: Any, available: Mapping[str, Any], path: str) -> list[str]:
     """The tensor name of every leaf of `target`, in `jtu.tree_flatten` order, for the file at
     `path` whose tensors are `available` (by name).
 
@@ -50,7 +51,7 @@ def leaf_names(target: Any, available: Mapping[str, Any], path: str, caller: str
         saved = sum(1 for name in available if name.startswith(prefix))
         if saved != count:
             raise ValueError(
-                f"{caller}: {path} stores the eqx.nn.State at '{path_to_name(state_path)}' "
+                f"{call()}: {path} stores the eqx.nn.State at '{path_to_name(state_path)}' "
                 f"by position (written before eqx_train named State entries by their "
                 f"StateIndex markers), with {saved} tensors there; the target's State has "
                 f"{count}. A stateful layer was added or removed, so the saved statistics "

@@ -32,6 +32,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from .._errors import call
+
 # The names of what a storage writes before it is visible (temporaries, upload markers).
 from ..storage._temp import (
     TEMP_MARK as TEMP_MARK,
@@ -114,10 +116,10 @@ Step: TypeAlias = int | float | np.integer | np.floating
 """A checkpoint step: any real number >= 0 (Python or NumPy)."""
 
 
-def check_prefix(prefix: Any, caller: str) -> str:
+def check_prefix(prefix: Any) -> str:
     """`prefix` if it can only ever name files directly inside the checkpoint directory."""
     if not isinstance(prefix, str):
-        raise TypeError(f"{caller}: prefix must be a str, got {type(prefix).__name__}.")
+        raise TypeError(f"{call()}: prefix must be a str, got {type(prefix).__name__}.")
     problems = []
     if any(sep and sep in prefix for sep in ("/", "\\", os.sep, os.altsep, "\0")):
         problems.append("it contains a path separator or NUL, so files would land elsewhere")
@@ -137,22 +139,22 @@ def check_prefix(prefix: Any, caller: str) -> str:
         problems.append(f"it is longer than {MAX_NAME_BYTES // 2} bytes")
     if problems:
         raise ValueError(
-            f"{caller}: invalid prefix {prefix!r}: {'; '.join(problems)}. Use a plain file "
+            f"{call()}: invalid prefix {prefix!r}: {'; '.join(problems)}. Use a plain file "
             "name prefix such as 'checkpoint_'."
         )
     return prefix
 
 
-def check_step(step: Any, caller: str) -> Decimal:
+def check_step(step: Any) -> Decimal:
     """The step as an exact Decimal; raises for anything that is not a finite number >= 0."""
     if isinstance(step, bool) or not isinstance(step, int | float | np.integer | np.floating):
-        raise TypeError(f"{caller}: step must be an int or float, got {step!r}.")
+        raise TypeError(f"{call()}: step must be an int or float, got {step!r}.")
     if isinstance(step, float | np.floating) and not math.isfinite(step):
-        raise ValueError(f"{caller}: step must be finite, got {step!r}.")
+        raise ValueError(f"{call()}: step must be finite, got {step!r}.")
     value = _value(step)
     if value < 0:
         raise ValueError(
-            f"{caller}: step must be >= 0, got {step!r} (a sign in a file name could not be "
+            f"{call()}: step must be >= 0, got {step!r} (a sign in a file name could not be "
             "told apart from the prefix)."
         )
     return value

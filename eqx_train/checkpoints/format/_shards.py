@@ -25,9 +25,11 @@ import numpy as np
 
 from .._errors import short
 from ..storage import Storage
-from ._description import CODE_TO_DTYPE, parse_json
-from ._format import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
+from ._json import parse_json
+from ._leaf_kinds import CODE_TO_DTYPE
 from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, PROCESS_KEY, SAVE_KEY, parse_piece_file
+from ._reader import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
+from ._runs import split_axis as split_axis, split_bounds as split_bounds
 
 _MAX_PIECES = 1 << 20
 
@@ -44,28 +46,6 @@ def referenced_pieces(store: Storage, path: str) -> set[str] | None:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {item.name for item in store.list(path)}
-
-
-def split_axis(extents: Sequence[int], parts: int) -> int | None:
-    """The axis along which a block of `extents` is cut into `parts` contiguous runs, one per
-    replica holder: the first whose extent `parts` divides, else the first at least `parts`
-    long; None if no axis is (a scalar, or a block smaller than its holders). The save and
-    the read-once restore use this one rule, so that a restore onto the processes that saved
-    reads exactly the pieces each wrote."""
-    if parts <= 1:
-        return None
-    divisible = [a for a, n in enumerate(extents) if n >= parts and n % parts == 0]
-    long_enough = [a for a, n in enumerate(extents) if n >= parts]
-    return (divisible or long_enough or [None])[0]
-
-
-def split_bounds(
-    bounds: Sequence[tuple[int, int]], axis: int, part: int, parts: int
-) -> list[list[int]]:
-    """Run `part` of `parts` of the block `bounds` cut along `axis` (as even as can be)."""
-    lo, hi = bounds[axis]
-    cut = [lo + (hi - lo) * k // parts for k in (part, part + 1)]
-    return [cut if a == axis else list(b) for a, b in enumerate(bounds)]
 
 
 def validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict[str, Any]]:
@@ -154,6 +134,10 @@ def _check_tiling(
 class ShardedReader(ReaderBase):
     """A `.shards` checkpoint as one reader: its index (validated whole first), then any
     block of any array, read only from the pieces that overlap it."""
+
+    # A target's device blocks are read block by block, never whole: each block reads only
+    # the pieces it overlaps (the restore asks a reader for this, not for its class).
+    reads_blocks = True
 
     def __init__(self, store: Storage, directory: str):
         self.path = directory

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..format import _names
-from ..pipeline import _matching, _selection, _snapshot, _transform
+from ..pipeline._options import Casting, RestoreOptions, check_snapshot
+from ..pipeline._rename import Rename
+from ..pipeline._transform import Transform
 from ._options import ManagerOptions
 from ._retention_policy import (
     KeepAny,
@@ -45,12 +47,12 @@ def manager_options(**given: Any) -> ManagerOptions:
     prefix = given["prefix"]
     if not prefix:
         raise ValueError(f"{_WHO}: prefix must be a non-empty file name prefix.")
-    _names.check_prefix(prefix, _WHO)
+    _names.check_prefix(prefix)
     timeout_s = given["timeout_s"]
     if not isinstance(timeout_s, int | float) or not timeout_s > 0:
         raise ValueError(f"{_WHO}: timeout_s must be > 0, got {timeout_s!r}.")
     save_policy = _save_policy_of(given)
-    _snapshot.check_options(given["snapshot"], given["host_window_bytes"], _WHO)
+    check_snapshot(given["snapshot"], given["host_window_bytes"])
     for flag in ("handle_sigterm", "replica_parallel"):
         if not isinstance(given[flag], bool):
             raise ValueError(f"{_WHO}: {flag} must be True or False, got {given[flag]!r}.")
@@ -165,28 +167,19 @@ def restore_options(
     config: Any,
     filter_spec: Any,
     strict: bool,
-    rename: _matching.Rename,
-    casting: _matching.Casting,
-    transform: _transform.Transform,
-) -> dict[str, Any]:
-    """The checked keyword arguments of a `CheckpointManager.restore` into `target`, with
-    the manager's own, as the restore pipeline takes them."""
-    _selection.check_config(config, "CheckpointManager.restore")
-    _matching.check_options(
-        casting,
-        rename,
-        "CheckpointManager.restore",
-        target=target,
+    rename: Rename,
+    casting: Casting,
+    transform: Transform,
+) -> RestoreOptions:
+    """The checked options of a `CheckpointManager.restore` into `target`, with the
+    manager's own, as the restore pipeline takes them (errors name the call in progress)."""
+    return RestoreOptions(
+        config=config,
         filter_spec=filter_spec,
+        strict=strict,
+        rename=rename,
+        casting=casting,
         transform=transform,
-    )
-    return {
-        "config": config,
-        "filter_spec": filter_spec,
-        "strict": strict,
-        "rename": rename,
-        "casting": casting,
-        "transform": transform,
-        "host_window_bytes": options.host_window_bytes,
-        "replica_parallel": options.replica_parallel,
-    }
+        host_window_bytes=options.host_window_bytes,
+        replica_parallel=options.replica_parallel,
+    ).check(target)

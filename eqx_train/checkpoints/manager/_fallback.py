@@ -128,7 +128,6 @@ def _agree(
         _coordination.next_id("restore_fallback"),
         json.dumps([entry.path, outcome]),
         timeout_s=timeout_s,
-        caller=who,
     )
     reports = [json.loads(r) for r in seen]
     failed = [(i, o) for i, (_, o) in enumerate(reports) if o.startswith("failed")]
@@ -230,6 +229,5 @@ def _quarantine(
         _coordination.next_id("restore_quarantine"),
         move,
         timeout_s=timeout_s,
-        caller=call("CheckpointManager.restore"),
     )
     return json.loads(str(said))

@@ -12,9 +12,6 @@ from typing import Any, Literal, TypeVar
 import jax
 from jax.typing import ArrayLike
 
-# The save pipeline's entry point: the one seam to the layer above the pipeline, until
-# the pipeline holds it.
-from .._api import save_pipeline
 from .._errors import calling, in_context
 from ..format import _names
 from ..format._names import (
@@ -23,7 +20,12 @@ from ..format._names import (
 )
 from ..pipeline import _coordination, _directory, _matching, _restore, _transform
 from ..pipeline._async import AsyncManager
-from ..pipeline._restore import RESTORE_ATTEMPTS, restore_entry
+from ..pipeline._options import RestoreOptions, SaveOptions
+from ..pipeline._restore import (
+    RESTORE_ATTEMPTS,
+    restore_one as restore_entry,  # tests wrap it here
+)
+from ..pipeline._save import save as save_pipeline  # tests wrap it here
 from ..pipeline._snapshot import SnapshotMode
 from ..pipeline._window import DEFAULT_HOST_WINDOW_BYTES
 from ..storage import _locations
@@ -186,9 +188,7 @@ class CheckpointManager(ManagedDirectory):
             options = manager_options(**given)
             self._options = options
             self._attempts = RESTORE_ATTEMPTS
-            self._store, self.directory = _locations.resolve(
-                directory, storage_options, caller="CheckpointManager"
-            )
+            self._store, self.directory = _locations.resolve(directory, storage_options)
             self._async = AsyncManager() if async_save else None
             self._store.makedirs(self.directory)
             _directory.remove_leftovers(self._store, self.directory, options.prefix)
@@ -242,22 +242,23 @@ class CheckpointManager(ManagedDirectory):
                 self.directory,
                 state,
                 step,
-                prefix=options.prefix,
-                overwrite=overwrite,
-                # Run after the commit, on the background thread of an async save.
-                retention=in_context(self._to_delete),
-                async_manager=self._async,
-                caller="CheckpointManager.save",
-                extra_metadata=extra,
-                multiprocess=jax.process_count() > 1,
-                timeout_s=options.timeout_s,
-                snapshot=options.snapshot,
-                host_window_bytes=options.host_window_bytes,
+                options=SaveOptions(
+                    prefix=options.prefix,
+                    overwrite=overwrite,
+                    # Run after the commit, on the background thread of an async save.
+                    retention=in_context(self._to_delete),
+                    extra_metadata=extra,
+                    multiprocess=jax.process_count() > 1,
+                    timeout_s=options.timeout_s,
+                    snapshot=options.snapshot,
+                    host_window_bytes=options.host_window_bytes,
+                    filter_spec=filter_spec,
+                    replica_parallel=options.replica_parallel,
+                ),
                 storage_options=options.storage_options,
-                filter_spec=filter_spec,
-                replica_parallel=options.replica_parallel,
+                async_manager=self._async,
             )
-            self._schedule.saved(_names.check_step(step, "CheckpointManager.save"), began)
+            self._schedule.saved(_names.check_step(step), began)
         return path
 
     def should_save(self, step: _names.Step) -> bool:
@@ -317,7 +318,7 @@ class CheckpointManager(ManagedDirectory):
         saves one interval after the manager was created.
         """
         with calling("CheckpointManager.should_save"):
-            value = _names.check_step(step, "CheckpointManager.should_save")
+            value = _names.check_step(step)
             self._schedule.listen(multiprocess=jax.process_count() > 1)
             # Every process must reach JAX's sync point at every step, so each asks it
             # here, before process 0 decides; the answer is the same on every process.
@@ -332,7 +333,6 @@ class CheckpointManager(ManagedDirectory):
                     )
                 ],
                 timeout_s=self._options.timeout_s,
-                caller="CheckpointManager.should_save",
             )
         save, preempted = _preemption.DECISION_OF[str(decision)]
         self._schedule.preempted = self._schedule.preempted or preempted
@@ -451,20 +451,20 @@ class CheckpointManager(ManagedDirectory):
 
     # ------------------------------------------------------------------ internals
 
-    def _restore_step(self, target: T, step: Any, options: dict[str, Any]) -> T:
+    def _restore_step(self, target: T, step: Any, options: RestoreOptions) -> T:
         """The checkpoint of `step` (None: the latest) restored, as `restore_checkpoint`
         restores it from the manager's directory."""
         return _restore.restore(
-            self._store, self.directory, target, step, self._options.prefix, **options
+            self._store, self.directory, target, step, self._options.prefix, options
         )
 
-    def _restore_latest(self, target: T, options: dict[str, Any]) -> T:
+    def _restore_latest(self, target: T, options: RestoreOptions) -> T:
         """The newest checkpoint that verifies restored; the others skipped, moved aside."""
         restored = restore_latest_that_verifies(
             self._store,
             self.directory,
             self._listing,
-            lambda entry: restore_entry(self._store, entry, target, **options),
+            lambda entry: restore_entry(self._store, entry, target, options),
             target,
             timeout_s=self._options.timeout_s,
             attempts=RESTORE_ATTEMPTS,
@@ -476,7 +476,7 @@ class CheckpointManager(ManagedDirectory):
             return self._restore_step(target, None, options)
         return restored
 
-    def _restore_best(self, target: T, options: dict[str, Any]) -> T:
+    def _restore_best(self, target: T, options: RestoreOptions) -> T:
         metric = self._options.best_metric
         if not metric:
             raise ValueError(
@@ -486,7 +486,7 @@ class CheckpointManager(ManagedDirectory):
             )
         return self._ranking.restore_best(
             self._listing,
-            lambda entry: restore_entry(self._store, entry, target, **options),
+            lambda entry: restore_entry(self._store, entry, target, options),
             directory=self.directory,
             metric=metric,
             mode=self._options.mode,

@@ -308,7 +308,8 @@ class ManagedDirectory:
         return _directory.list_checkpoints(self._store, self.directory, self._options.prefix)
 
     def _entry(self, step: _names.Step) -> _directory.Entry:
-        found = _directory.find_step(self._listing(), _names.check_step(step, "CheckpointManager"))
+        with calling("CheckpointManager"):
+            found = _directory.find_step(self._listing(), _names.check_step(step))
         if found is not None:
             return found
         raise StepNotFoundError(

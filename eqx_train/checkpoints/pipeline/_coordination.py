@@ -66,6 +66,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
+from .._errors import call
 
 _LOCK = threading.Lock()
 _COUNTERS: dict[str, int] = {}
@@ -120,7 +121,7 @@ def _check_name(what: str, name: str) -> None:
         raise ValueError(f"next_id: {what} must be a non-empty name without '/', got {name!r}.")
 
 
-def broadcast(op: str, value: str | None, *, timeout_s: int | float, caller: str) -> str:
+def broadcast(op: str, value: str | None, *, timeout_s: int | float) -> str:
     """Process 0's `value`, returned on every process.
 
     **Arguments:**
@@ -128,7 +129,6 @@ def broadcast(op: str, value: str | None, *, timeout_s: int | float, caller: str
     - `op`: this call's id from `next_id`, the same on every process.
     - `value`: the value to share; only process 0's is used (it must be a string there).
     - `timeout_s`: how long to wait for the other processes.
-    - `caller`: the public function on whose behalf this runs, for error messages.
 
     **Returns:**
 
@@ -138,17 +138,21 @@ def broadcast(op: str, value: str | None, *, timeout_s: int | float, caller: str
 
     `BarrierTimeoutError` naming the processes that did not arrive within `timeout_s`.
     """
+    return _broadcast(op, value, timeout_s=timeout_s)
+
+
+def _broadcast(op: str, value: str | None, *, timeout_s: int | float) -> str:
     me, count = _topology()
     if me == 0 and value is None:
-        raise ValueError(f"{caller}: process 0 must give the value to broadcast, got None.")
+        raise ValueError(f"{call()}: process 0 must give the value to broadcast, got None.")
     if count == 1:
         assert value is not None
         return value
     mine = value if me == 0 and value is not None else ""
-    return _exchange(op, mine, timeout_s=timeout_s, caller=caller, what="broadcast")[0]
+    return _exchange(op, mine, timeout_s=timeout_s, what="broadcast")[0]
 
 
-def gather(op: str, value: str, *, timeout_s: int | float, caller: str) -> list[str]:
+def gather(op: str, value: str, *, timeout_s: int | float) -> list[str]:
     """Every process's `value`, in process order, returned on every process.
 
     **Arguments:**
@@ -156,7 +160,6 @@ def gather(op: str, value: str, *, timeout_s: int | float, caller: str) -> list[
     - `op`: this call's id from `next_id`, the same on every process.
     - `value`: this process's contribution.
     - `timeout_s`: how long to wait for the other processes.
-    - `caller`: the public function on whose behalf this runs, for error messages.
 
     **Returns:**
 
@@ -168,17 +171,16 @@ def gather(op: str, value: str, *, timeout_s: int | float, caller: str) -> list[
     """
     if _topology()[1] == 1:
         return [value]
-    return _exchange(op, value, timeout_s=timeout_s, caller=caller, what="gather")
+    return _exchange(op, value, timeout_s=timeout_s, what="gather")
 
 
-def barrier(op: str, *, timeout_s: int | float, caller: str) -> None:
+def barrier(op: str, *, timeout_s: int | float) -> None:
     """Returns once every process has called `barrier` with the same `op`.
 
     **Arguments:**
 
     - `op`: this call's id from `next_id`, the same on every process.
     - `timeout_s`: how long to wait for the other processes.
-    - `caller`: the public function on whose behalf this runs, for error messages.
 
     **Raises:**
 
@@ -186,11 +188,14 @@ def barrier(op: str, *, timeout_s: int | float, caller: str) -> None:
     """
     if _topology()[1] == 1:
         return
-    _exchange(op, "", timeout_s=timeout_s, caller=caller, what="barrier")
+    _exchange(op, "", timeout_s=timeout_s, what="barrier")
 
 
 def decide(
-    op: str, make_decision: Callable[[], bool | str], *, timeout_s: int | float, caller: str
+    op: str,
+    make_decision: Callable[[], bool | str],
+    *,
+    timeout_s: int | float,
 ) -> bool | str:
     """One decision for all processes: process 0 calls `make_decision` (the others do not)
     and every process returns its result, so processes whose clocks or state differ never
@@ -201,7 +206,6 @@ def decide(
     - `op`: this call's id from `next_id`, the same on every process.
     - `make_decision`: called on process 0 only; returns a `bool` or a `str`.
     - `timeout_s`: how long to wait for the other processes.
-    - `caller`: the public function on whose behalf this runs, for error messages.
 
     **Returns:**
 
@@ -212,6 +216,12 @@ def decide(
     On process 0, whatever `make_decision` raised; on the others, a `RuntimeError` quoting
     it (they do not wait out the timeout). `BarrierTimeoutError` as `broadcast`.
     """
+    return _decide(op, make_decision, timeout_s=timeout_s)
+
+
+def _decide(
+    op: str, make_decision: Callable[[], bool | str], *, timeout_s: int | float
+) -> bool | str:
     encoded: str | None = None
     error: BaseException | None = None
     if _topology()[0] == 0:
@@ -219,7 +229,7 @@ def decide(
             decision = make_decision()
             if not isinstance(decision, bool | str):
                 raise TypeError(
-                    f"{caller}: the decision must be a bool or a str, got "
+                    f"{call()}: the decision must be a bool or a str, got "
                     f"{type(decision).__name__} {decision!r}."
                 )
             encoded = json.dumps({"decision": decision})
@@ -227,11 +237,11 @@ def decide(
             # Shared before re-raising, so that the peers fail now instead of at the timeout.
             error = e
             encoded = json.dumps({"error": f"{type(e).__name__}: {e}"})
-    shared = json.loads(broadcast(op, encoded, timeout_s=timeout_s, caller=caller))
+    shared = json.loads(_broadcast(op, encoded, timeout_s=timeout_s))
     if error is not None:
         raise error
     if "error" in shared:
-        raise RuntimeError(f"{caller}: process 0 failed to decide: {shared['error']}")
+        raise RuntimeError(f"{call()}: process 0 failed to decide: {shared['error']}")
     return shared["decision"]
 
 
@@ -289,12 +299,12 @@ def _topology() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def _client(caller: str) -> Any:
+def _client() -> Any:
     state = _distributed_state()
     client = getattr(state, "client", None)
     if client is None:
         raise RuntimeError(
-            f"{caller}: jax.process_count() is {_topology()[1]} but the client of "
+            f"{call()}: jax.process_count() is {_topology()[1]} but the client of "
             "JAX's coordination service is missing (jax.distributed.initialize was not "
             "called, was shut down, or this JAX "
             f"{jax.__version__} keeps it elsewhere than jax._src.distributed.global_state)."
@@ -307,11 +317,11 @@ def _status(error: Exception) -> str:
     return str(error).split(":", 1)[0].strip()
 
 
-def _exchange(op: str, value: str, *, timeout_s: int | float, caller: str, what: str) -> list[str]:
+def _exchange(op: str, value: str, *, timeout_s: int | float, what: str) -> list[str]:
     """The protocol of the module docstring: every process's value, in process order."""
     if not (isinstance(timeout_s, int | float) and timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"{caller}: timeout_s must be a positive number, got {timeout_s!r}.")
-    client = _client(caller)
+        raise ValueError(f"{call()}: timeout_s must be a positive number, got {timeout_s!r}.")
+    client = _client()
     me, count = _topology()
     deadline = time.monotonic() + timeout_s
     arrived_dir, outcome_key = f"{op}/arrived/", f"{op}/outcome"
@@ -321,7 +331,7 @@ def _exchange(op: str, value: str, *, timeout_s: int | float, caller: str, what:
         if _status(error) != "ALREADY_EXISTS":
             raise
         raise RuntimeError(
-            f"{caller}: the {what} {op!r} was already called on process {me}; every "
+            f"{call()}: the {what} {op!r} was already called on process {me}; every "
             "operation needs its own id from next_id."
         ) from None
     arrivals = _arrivals(client, arrived_dir)
@@ -336,7 +346,7 @@ def _exchange(op: str, value: str, *, timeout_s: int | float, caller: str, what:
             if _status(error) != "DEADLINE_EXCEEDED":
                 if _status(error) == "UNAVAILABLE":
                     raise BarrierTimeoutError(
-                        f"{caller}: the {what} {op!r} lost the coordination service, which "
+                        f"{call()}: the {what} {op!r} lost the coordination service, which "
                         f"runs in process 0, while process {me} waited: process 0 probably "
                         f"died ({_status(error)})."
                     ) from error
@@ -353,7 +363,7 @@ def _exchange(op: str, value: str, *, timeout_s: int | float, caller: str, what:
         missing = failure["missing"]
         late = f" Process {me} itself arrived after that." if me in missing else ""
         timed_out = BarrierTimeoutError(
-            f"{caller}: the {what} {op!r} timed out: process {failure['by']} waited "
+            f"{call()}: the {what} {op!r} timed out: process {failure['by']} waited "
             f"{failure['timeout_s']}s and processes {missing} did not arrive.{late} A peer "
             "probably died, hung, or did not make the same call."
         )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from .._errors import StepExistsError
+from .._errors import StepExistsError, call
 from ..format import _names, _shards
 from ..storage import Storage
 
@@ -118,11 +118,11 @@ _LISTING_ATTEMPTS = 5
 Retention = Callable[[list["Entry"]], list[str]]
 
 
-def check_keep(keep: Any, caller: str) -> None:
+def check_keep(keep: Any) -> None:
     if isinstance(keep, bool) or not isinstance(keep, int):
-        raise TypeError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
+        raise TypeError(f"{call()}: keep must be an int >= 1, got {keep!r}.")
     if keep < 1:
-        raise ValueError(f"{caller}: keep must be an int >= 1, got {keep!r}.")
+        raise ValueError(f"{call()}: keep must be an int >= 1, got {keep!r}.")
 
 
 def check_newer(
@@ -132,25 +132,25 @@ def check_newer(
     value: Decimal,
     text: str,
     overwrite: bool,
-    caller: str,
 ) -> None:
     """Raises unless step `value` (spelled `text`) is newer than every checkpoint, or
     `overwrite`."""
     newest = latest(list_checkpoints(store, ckpt_dir, prefix))
     if newest is not None and not overwrite and value <= newest.value:
         raise StepExistsError(
-            f"{caller}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
+            f"{call()}: a checkpoint at step {newest.text} already exists in {ckpt_dir} "
             f"and step {text} is not newer. Pass overwrite=True to replace it (this also "
             "deletes every newer checkpoint)."
         )
 
 
-def check_keep_every_n_steps(value: Any, caller: str) -> None:
+def check_keep_every_n_steps(value: Any) -> None:
+    """Refuses a `keep_every_n_steps` that is neither None nor a positive number."""
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
     ):
         raise ValueError(
-            f"{caller}: keep_every_n_steps must be a positive number or None, got {value!r}."
+            f"{call()}: keep_every_n_steps must be a positive number or None, got {value!r}."
         )
 
 
@@ -178,10 +178,10 @@ def steps_to_delete(
     return doomed
 
 
-def flax_retention(keep: Any, keep_every_n_steps: Any, caller: str) -> Retention:
+def flax_retention(keep: Any, keep_every_n_steps: Any) -> Retention:
     """Validates `keep` / `keep_every_n_steps` and returns flax's retention rule for them."""
-    check_keep(keep, caller)
-    check_keep_every_n_steps(keep_every_n_steps, caller)
+    check_keep(keep)
+    check_keep_every_n_steps(keep_every_n_steps)
 
     def retention(entries: list[Entry]) -> list[str]:
         steps = [(e.value, e.text) for e in entries]

@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,10 +28,15 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import PartialRestoreWarning as PartialRestoreWarning, outside_stacklevel
+from .._errors import (
+    PartialRestoreWarning as PartialRestoreWarning,
+    call,
+    outside_stacklevel,
+)
 from ..format._description import LeafKind, key_impl, key_impls, kind_of
 from ..format._leaf_names import leaf_names
 from . import _selection, _transform
+from ._options import CASTINGS as CASTINGS, Casting as Casting, RestoreOptions
 from ._rename import (
     ROOT,
     Rename as Rename,
@@ -42,51 +47,6 @@ from ._rename import (
     source_of as source_of,
     under,
 )
-
-Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
-CASTINGS: tuple[Casting, ...] = ("no", "equiv", "safe", "same_kind", "unsafe")
-
-
-def check_options(
-    casting: Any,
-    rename: Any,
-    caller: str,
-    *,
-    target: Any = (),
-    filter_spec: Any = None,
-    transform: Any = None,
-) -> None:
-    """Raises, naming `caller`, for a `casting`, `rename` or `transform` of the wrong kind,
-    and for any of `rename`, `casting`, `filter_spec`, `transform` given with `target=None`
-    (which loads the file as saved: they would be ignored)."""
-    if target is None:
-        given = [
-            name
-            for name, is_set in [
-                ("rename", rename is not None),
-                ("casting", casting != "no"),
-                ("filter_spec", filter_spec is not None),
-                ("transform", transform is not None),
-            ]
-            if is_set
-        ]
-        if given:
-            raise ValueError(
-                f"{caller}: {', '.join(given)} applies to a target's leaves, but "
-                "target=None loads the file as saved; pass the target to restore into."
-            )
-    if casting not in CASTINGS:
-        raise ValueError(f"{caller}: casting must be one of {CASTINGS}, got {casting!r}.")
-    _transform.check_transform(transform, caller)
-    if rename is None or callable(rename):
-        return
-    if not isinstance(rename, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in rename.items()
-    ):
-        raise TypeError(
-            f"{caller}: rename must be a mapping of target name prefixes to saved name "
-            f"prefixes (str -> str) or a function name -> saved name or None, got {rename!r}."
-        )
 
 
 def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
@@ -176,32 +136,23 @@ def _expected(kind: LeafKind, leaf: Any) -> tuple[tuple[int, ...], np.dtype | No
     return tuple(data.shape), np.dtype(data.dtype)
 
 
-def match(
-    reader: Any,
-    target: Any,
-    *,
-    strict: bool,
-    rename: Rename = None,
-    casting: Casting = "no",
-    config: _selection.Config = "target",
-    filter_spec: Any = None,
-    caller: str = "restore_checkpoint",
-    transform: _transform.Transform = None,
-) -> Match:
-    """Matches every data leaf of `target` against the tensors of `reader` (headers only):
-    by name through `rename`; through `transform` (evaluated on the saved shape and dtype,
-    `_transform`); shape equal; dtype equal or castable under `casting` (PRNG keys never
-    cast, and their implementation equal); with `strict`, no leaf without a saved tensor
-    and no saved tensor unused. `filter_spec` leaves out leaves (kept from the target),
-    and the saved tensors under the sub-trees it leaves out whole go unused as expected;
-    with `config="target"` the Python scalars of Equinox modules are compared, not taken
-    (`_selection`). A target none of whose leaves to restore is in the file is refused
-    whatever `strict` says. Every problem is listed, naming the leaf (and its saved name
-    when `rename` changed it)."""
+def match(reader: Any, target: Any, options: RestoreOptions) -> Match:
+    """Matches every data leaf of `target` against the tensors of `reader` (headers only),
+    as `options` say: by name through `rename`; through `transform` (evaluated on the
+    saved shape and dtype, `_transform`); shape equal; dtype equal or castable under
+    `casting` (PRNG keys never cast, and their implementation equal); with `strict`, no
+    leaf without a saved tensor and no saved tensor unused. `filter_spec` leaves out
+    leaves (kept from the target), and the saved tensors under the sub-trees it leaves out
+    whole go unused as expected; with `config="target"` the Python scalars of Equinox
+    modules are compared, not taken (`_selection`). A target none of whose leaves to
+    restore is in the file is refused whatever `strict` says. Every problem is listed,
+    naming the leaf (and its saved name when `rename` changed it)."""
+    strict, rename, casting = options.strict, options.rename, options.casting
+    filter_spec, transform, config = options.filter_spec, options.transform, options.config
     available = reader.arrays()
     saved_keys = saved_key_impls(reader)
     pairs, treedef = jtu.tree_flatten_with_path(target)
-    names = leaf_names(target, available, reader.path, caller)  # eqx.nn.State: by marker
+    names = leaf_names(target, available, reader.path)  # eqx.nn.State: by marker
     found = Match([leaf for _, leaf in pairs], treedef, names)
     chosen = _selection.selected(target, filter_spec)
     judge = _Judge(found, available, saved_keys, casting, transform)
@@ -217,7 +168,7 @@ def match(
             continue  # not data: kept from the target
         name = names[index]
         data_names.append(name)
-        source, prefix = source_of(name, rename, caller)
+        source, prefix = source_of(name, rename)
         if prefix is not None:
             prefixes_matched.add(prefix)
             if source in available:
@@ -401,7 +352,7 @@ def _left_out(
     prefixes = set(_selection.left_out_prefixes(names, chosen))
     if isinstance(rename, Mapping):
         for prefix in list(prefixes):
-            source, by = source_of(prefix or ROOT, rename, "")
+            source, by = source_of(prefix or ROOT, rename)
             if by is not None and source is not None:
                 prefixes.add("" if source == ROOT else source)
     return {name for name in available if any(p in prefixes for p in prefixes_of(name))}
@@ -430,7 +381,7 @@ def _why_not_cast(
     return f"; casting={needed!r} would allow it (now casting={casting!r})" if needed else ""
 
 
-def warn_partial(path: str, found: Match, caller: str) -> None:
+def warn_partial(path: str, found: Match) -> None:
     """One `PartialRestoreWarning` for a `strict=False` restore that left target leaves
     without a saved tensor or saved tensors unused; nothing when neither."""
     lines = []
@@ -445,14 +396,14 @@ def warn_partial(path: str, found: Match, caller: str) -> None:
         listed = "\n  ".join(lines)
         warnings.warn(
             PartialRestoreWarning(
-                f"{caller}: {path} restored partially (strict=False):\n  {listed}\n"
+                f"{call()}: {path} restored partially (strict=False):\n  {listed}\n"
                 "plan_restore lists them all before restoring."
             ),
             stacklevel=outside_stacklevel(sys._getframe()),
         )
 
 
-def warn_placeholders(path: str, found: Match, leaves: list[Any], caller: str) -> None:
+def warn_placeholders(path: str, found: Match, leaves: list[Any]) -> None:
     """One `PartialRestoreWarning` naming the leaves of an abstract target that a restore
     returns as `jax.ShapeDtypeStruct` placeholders; nothing when there are none."""
     names = [
@@ -463,7 +414,7 @@ def warn_placeholders(path: str, found: Match, leaves: list[Any], caller: str) -
     if names:
         warnings.warn(
             PartialRestoreWarning(
-                f"{caller}: {len(names)} leaves of the abstract target were not restored "
+                f"{call()}: {len(names)} leaves of the abstract target were not restored "
                 f"from {path} and come back as jax.ShapeDtypeStruct placeholders: "
                 f"{some(names)}. Give them values (e.g. eqx.combine with a concrete tree) "
                 "before use, or restore them too (filter_spec, rename, strict)."

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,11 +28,11 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from .. import _errors
+from .._errors import call
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
 from ..storage import Storage
-from . import _coordination, _directory
+from . import _agreement, _coordination, _directory
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
 
 _COMMITTED = "committed"
@@ -57,7 +58,6 @@ def agree_on_token(
     plan: tuple[str, str, Any, list[_description.Tensor]] | BaseException,
     *,
     timeout_s: int | float,
-    caller: str,
 ) -> str:
     """The opening exchange of save `number`: every process reports whether it could
     prepare the save (`plan` is `(step_text, prefix, description, tensors)`, or the error
@@ -82,24 +82,23 @@ def agree_on_token(
         layout = None
     else:
         step_text, prefix, description, tensors = plan
-        layout = _layout(description, tensors)
+        layout = _agreement.layout_of(description, tensors)
         mine = {
             "step": step_text,
             "prefix": prefix,
-            "digest": hashlib.sha256(_canonical(layout).encode()).hexdigest(),
+            "digest": hashlib.sha256(_agreement.canonical(layout).encode()).hexdigest(),
         }
         if process == 0:
             mine["token"] = _names.new_token()
     reports = [
-        json.loads(r)
-        for r in _coordination.gather(op, json.dumps(mine), timeout_s=timeout_s, caller=caller)
+        json.loads(r) for r in _coordination.gather(op, json.dumps(mine), timeout_s=timeout_s)
     ]
     if isinstance(plan, BaseException):
         raise plan
     failed = [f"process {i} ({r['failed']})" for i, r in enumerate(reports) if "failed" in r]
     if failed:
         raise RuntimeError(
-            f"{caller}: the save was abandoned before anything was written because "
+            f"{call()}: the save was abandoned before anything was written because "
             f"{', '.join(failed)} could not begin it; the previous checkpoint is still the "
             "latest."
         )
@@ -108,7 +107,7 @@ def agree_on_token(
         if len(set(values)) > 1:
             listed = ", ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
             raise ValueError(
-                f"{caller}: the processes disagree on the {field} ({listed}), so nothing was "
+                f"{call()}: the processes disagree on the {field} ({listed}), so nothing was "
                 "written. Every process must make the same save call."
             )
     if len({r["digest"] for r in reports}) > 1:
@@ -116,135 +115,16 @@ def agree_on_token(
         assert layout is not None
         layouts = _coordination.gather(
             _coordination.op_id("save_layouts", str(number)),
-            _canonical(layout),
+            _agreement.canonical(layout),
             timeout_s=timeout_s,
-            caller=caller,
         )
-        difference = _first_difference([json.loads(text) for text in layouts])
+        difference = _agreement.first_difference([json.loads(text) for text in layouts])
         raise ValueError(
-            f"{caller}: the processes disagree on what to save, so nothing was written: "
+            f"{call()}: the processes disagree on what to save, so nothing was written: "
             f"{difference}. Every process must pass the same tree (the same leaf names, "
             "dtypes, global shapes and shardings)."
         )
     return reports[0]["token"]
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _layout(description: Any, tensors: list[_description.Tensor]) -> dict[str, Any]:
-    """What a process is about to save, in a form every process computes identically for
-    the same save: the tree's description and, per leaf, its dtype, global shape and where
-    it lives (host-local, or a global array with the blocks of its sharding)."""
-    blocks: dict[tuple[Any, tuple[int, ...]], str] = {}  # many leaves share a sharding
-    leaves = []
-    for tensor in tensors:
-        source = tensor.source
-        if isinstance(source, jax.Array) and not source.is_fully_addressable:
-            sharding = source.sharding
-            key = (sharding, tensor.shape)
-            if key not in blocks:
-                cells = sorted(
-                    (
-                        device.id,
-                        [list(s.indices(d)[:2]) for s, d in zip(index, tensor.shape, strict=True)],
-                    )
-                    for device, index in sharding.devices_indices_map(tensor.shape).items()
-                )
-                blocks[key] = hashlib.sha256(_canonical(cells).encode()).hexdigest()[:16]
-            where = {"sharding": _sharding_text(sharding), "blocks": blocks[key]}
-        else:
-            where = "host-local"
-        leaves.append([tensor.name, str(tensor.dtype), list(tensor.shape), where])
-    return {"tree": description, "leaves": leaves}
-
-
-def _sharding_text(sharding: Any) -> str:
-    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    if mesh is not None and spec is not None:
-        return f"{type(sharding).__name__}(mesh {dict(mesh.shape)}, {spec})"
-    return _errors.short(repr(sharding), 160)
-
-
-def _describe_leaf(leaf: list[Any], with_blocks: bool = False) -> str:
-    _, dtype, shape, where = leaf
-    if where == "host-local":
-        return f"{dtype}{shape} host-local (written by process 0)"
-    blocks = f" (devices and blocks digest {where['blocks']})" if with_blocks else ""
-    return f"{dtype}{shape} sharded as {where['sharding']}{blocks}"
-
-
-def _first_difference(layouts: list[dict[str, Any]]) -> str:
-    """The first way in which a process's layout differs from process 0's, in words."""
-    reference = layouts[0]
-    for i, other in enumerate(layouts[1:], start=1):
-        mine = {leaf[0]: leaf for leaf in reference["leaves"]}
-        theirs = {leaf[0]: leaf for leaf in other["leaves"]}
-        for leaf in reference["leaves"]:
-            name = leaf[0]
-            if name not in theirs:
-                return f"leaf '{name}' is saved by process 0 but not by process {i}"
-            if theirs[name] != leaf:
-                a, b = leaf, theirs[name]
-                blocks = _describe_leaf(a) == _describe_leaf(b)  # differ only in devices
-                return (
-                    f"leaf '{name}' is {_describe_leaf(a, blocks)} on process 0 but "
-                    f"{_describe_leaf(b, blocks)} on process {i}"
-                )
-        for leaf in other["leaves"]:
-            if leaf[0] not in mine:
-                return f"leaf '{leaf[0]}' is saved by process {i} but not by process 0"
-        if other["tree"] != reference["tree"]:
-            where = _tree_difference(reference["tree"], other["tree"], "")
-            return (
-                "the tree's structure or its non-array leaves differ between process 0 and "
-                f"process {i} {where} (process 0's first)"
-            )
-    return "their descriptions differ"
-
-
-def _node_text(node: Any) -> str:
-    if not isinstance(node, dict):
-        return repr(node)
-    if "str" in node:
-        return f"the string {_errors.short(node['str'], 60)}"
-    if "tensor" in node:
-        return "an array"
-    if "skipped" in node:
-        return f"a {node['skipped']} (not saved)"
-    if "node" in node:
-        return f"a {node['node']}"
-    kind = next(iter(node))
-    return f"a {kind} of {len(node[kind])}"
-
-
-def _tree_difference(a: Any, b: Any, path: str) -> str:
-    """Where two tree descriptions (`_description.describe`) first differ, in words ('' if they
-    are equal)."""
-    if a == b:
-        return ""
-    here = f"'{path}'" if path else "the root"
-    both = isinstance(a, dict) and isinstance(b, dict)
-    children: list[tuple[Any, Any, Any]] | None = None
-    if both and "dict" in a and "dict" in b:
-        if [k for k, _ in a["dict"]] == [k for k, _ in b["dict"]]:
-            children = [(k, x, y) for (k, x), (_, y) in zip(a["dict"], b["dict"], strict=True)]
-    elif both and "node" in a and a.get("node") == b.get("node"):
-        if [k for k, _ in a["children"]] == [k for k, _ in b["children"]]:
-            pairs = zip(a["children"], b["children"], strict=True)
-            children = [(k, x, y) for (k, x), (_, y) in pairs]
-    elif both and set(a) == set(b) and set(a) <= {"list", "tuple"}:
-        kind = next(iter(a))
-        if len(a[kind]) == len(b[kind]):
-            children = [(k, x, y) for k, (x, y) in enumerate(zip(a[kind], b[kind], strict=True))]
-    if children is None:
-        return f"at {here}: {_node_text(a)} vs {_node_text(b)}"
-    for key, x, y in children:
-        found = _tree_difference(x, y, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return f"at {here}"
 
 
 def plan_pieces(
@@ -346,7 +226,6 @@ def write_and_commit(
     metadata: dict[str, str],
     *,
     timeout_s: int | float,
-    caller: str,
     overwrite: bool,
     after_commit: Callable[[], None],
 ) -> None:
@@ -360,85 +239,28 @@ def write_and_commit(
     process, count = jax.process_index(), jax.process_count()
     own_piece = store.join(final_dir, _names.piece_file(process, token))
     every_piece = [store.join(final_dir, _names.piece_file(i, token)) for i in range(count)]
-    committed = False
-    unsure = False  # whether this save's index may be (or become) committed after all
+    outcome = _Outcome()
     try:
-        try:
-            if isinstance(planned, BaseException):
-                raise planned
-            pieces, where = planned
-            store.makedirs(final_dir)
-            # The piece names its save and its writer, so that a reader can tell it from a
-            # piece of any other save (or process) copied under the name the index cites.
-            piece_metadata = {
-                PIECES_KEY: json.dumps(where),
-                _names.SAVE_KEY: token,
-                _names.PROCESS_KEY: str(process),
-            }
-            store.atomic_write(
-                own_piece, lambda out: _format.write_file(out, pieces, piece_metadata)
-            )
-            status = "ok"
-        except Exception as error:  # reported to the others, then raised here
-            status = f"{type(error).__name__}: {error}"
-            failure: BaseException | None = error
-        else:
-            failure = None
+        status, failure = _write_piece(store, final_dir, own_piece, token, planned)
         statuses = _coordination.gather(
-            _coordination.op_id("save_written", key), status, timeout_s=timeout_s, caller=caller
+            _coordination.op_id("save_written", key), status, timeout_s=timeout_s
         )
         if failure is not None:
             raise failure
         failed = [f"process {i} ({s})" for i, s in enumerate(statuses) if s != "ok"]
         if failed:
             raise RuntimeError(
-                f"{caller}: the save was abandoned because {', '.join(failed)} could not "
+                f"{call()}: the save was abandoned because {', '.join(failed)} could not "
                 "write its pieces; the previous checkpoint is still the latest."
             )
         # Every process that got here makes this call; process 0 always answers.
         commit_op = _coordination.op_id("save_commit", key)
         if process != 0:
-            outcome = _coordination.broadcast(commit_op, None, timeout_s=timeout_s, caller=caller)
-            unsure = str(outcome).startswith(_UNSURE)
-            if outcome != _COMMITTED:
-                raise RuntimeError(
-                    f"{caller}: process 0 did not commit this save ({outcome}); the previous "
-                    "checkpoint is still the latest."
-                )
-            committed = True
+            _hear_commit(commit_op, timeout_s, outcome)
             return
-        try:
-            arrays = _collect_index(store, final_dir, token, count, tensors, caller)
-            replaced = _shards.referenced_pieces(store, final_dir) or set()
-            index_metadata = {
-                **_header_codes.with_complex(metadata, [t.dtype for t in tensors]),
-                _names.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
-                _names.SAVE_KEY: token,
-            }
-            try:
-                store.atomic_write(
-                    store.join(final_dir, _names.INDEX_NAME),
-                    lambda out: _format.write_file(out, [], index_metadata),
-                    replace=overwrite,
-                )
-            except Exception as refusal:
-                # Refused because the index exists (a concurrent save's, or ours, committed
-                # by a request whose answer was lost and whose retry was refused), or no
-                # answer at all: the index may be ours, or may still land. Ours cites only
-                # this save's pieces; unless the store shows another save's index, they stay.
-                whose = _index_owner(store, final_dir, token)
-                if whose != "ours":
-                    unsure = whose == "unknown" or not isinstance(refusal, FileExistsError)
-                    raise
-        except BaseException as error:
-            _coordination.broadcast(
-                commit_op,
-                (_UNSURE if unsure else "") + f"{type(error).__name__}: {error}",
-                timeout_s=timeout_s,
-                caller=caller,
-            )
-            raise
-        committed = True
+        replaced = _write_index(
+            store, final_dir, token, tensors, metadata, commit_op, timeout_s, overwrite, outcome
+        )
         try:
             _directory.remove_replaced_pieces(
                 store, final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
@@ -446,9 +268,9 @@ def write_and_commit(
             after_commit()
         finally:
             # Only now: the peers return seeing the same checkpoints as process 0.
-            _coordination.broadcast(commit_op, _COMMITTED, timeout_s=timeout_s, caller=caller)
+            _coordination.broadcast(commit_op, _COMMITTED, timeout_s=timeout_s)
     except BaseException as error:
-        if committed or unsure:
+        if outcome.committed or outcome.unsure:
             raise  # an index that may land cites these pieces: cleanup removes them later
         # This save will never commit: take back what it wrote (process 0: every
         # process's pieces of this token), so no uncommitted litter stays behind.
@@ -459,6 +281,103 @@ def write_and_commit(
                 f"{error} Nothing was committed: the previous checkpoint is still the latest."
             ) from None
         raise
+
+
+@dataclass
+class _Outcome:
+    """What this process knows of the commit: done, or possibly done (an index that may be
+    committed, or land later), in which case no process may delete its pieces."""
+
+    committed: bool = False
+    unsure: bool = False
+
+
+def _write_piece(
+    store: Storage,
+    final_dir: str,
+    own_piece: str,
+    token: str,
+    planned: tuple[list[_description.Tensor], dict[str, dict[str, Any]]] | BaseException,
+) -> tuple[str, BaseException | None]:
+    """Writes this process's piece file: ("ok", None), or the status to report and the
+    error to raise once it is reported."""
+    try:
+        if isinstance(planned, BaseException):
+            raise planned
+        pieces, where = planned
+        store.makedirs(final_dir)
+        # The piece names its save and its writer, so that a reader can tell it from a
+        # piece of any other save (or process) copied under the name the index cites.
+        piece_metadata = {
+            PIECES_KEY: json.dumps(where),
+            _names.SAVE_KEY: token,
+            _names.PROCESS_KEY: str(jax.process_index()),
+        }
+        store.atomic_write(own_piece, lambda out: _format.write_file(out, pieces, piece_metadata))
+    except Exception as error:  # reported to the others, then raised here
+        return f"{type(error).__name__}: {error}", error
+    return "ok", None
+
+
+def _hear_commit(commit_op: str, timeout_s: int | float, outcome: _Outcome) -> None:
+    """A process other than 0: waits for process 0's word on the commit; raises unless it
+    committed."""
+    said = _coordination.broadcast(commit_op, None, timeout_s=timeout_s)
+    outcome.unsure = str(said).startswith(_UNSURE)
+    if said != _COMMITTED:
+        raise RuntimeError(
+            f"{call()}: process 0 did not commit this save ({said}); the previous "
+            "checkpoint is still the latest."
+        )
+    outcome.committed = True
+
+
+def _write_index(
+    store: Storage,
+    final_dir: str,
+    token: str,
+    tensors: list[_description.Tensor],
+    metadata: dict[str, str],
+    commit_op: str,
+    timeout_s: int | float,
+    overwrite: bool,
+    outcome: _Outcome,
+) -> set[str]:
+    """Process 0's commit: the index citing every process's pieces, written atomically.
+    Returns the pieces of the index it replaced; on failure, tells the
+    others why (and whether the index may land after all) before raising."""
+    try:
+        arrays = _collect_index(store, final_dir, token, jax.process_count(), tensors)
+        replaced = _shards.referenced_pieces(store, final_dir) or set()
+        index_metadata = {
+            **_header_codes.with_complex(metadata, [t.dtype for t in tensors]),
+            _names.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),
+            _names.SAVE_KEY: token,
+        }
+        try:
+            store.atomic_write(
+                store.join(final_dir, _names.INDEX_NAME),
+                lambda out: _format.write_file(out, [], index_metadata),
+                replace=overwrite,
+            )
+        except Exception as refusal:
+            # Refused because the index exists (a concurrent save's, or ours, committed
+            # by a request whose answer was lost and whose retry was refused), or no
+            # answer at all: the index may be ours, or may still land. Ours cites only
+            # this save's pieces; unless the store shows another save's index, they stay.
+            whose = _index_owner(store, final_dir, token)
+            if whose != "ours":
+                outcome.unsure = whose == "unknown" or not isinstance(refusal, FileExistsError)
+                raise
+    except BaseException as error:
+        _coordination.broadcast(
+            commit_op,
+            (_UNSURE if outcome.unsure else "") + f"{type(error).__name__}: {error}",
+            timeout_s=timeout_s,
+        )
+        raise
+    outcome.committed = True
+    return replaced
 
 
 def _index_owner(store: Storage, final_dir: str, token: str) -> str:
@@ -485,12 +404,11 @@ def _collect_index(
     token: str,
     count: int,
     tensors: list[_description.Tensor],
-    caller: str,
 ) -> dict[str, dict[str, Any]]:
     arrays: dict[str, dict[str, Any]] = {
         t.name: {
             "shape": list(t.shape),
-            "dtype": _description.dtype_code(t.dtype, t.name, caller),
+            "dtype": _description.dtype_code(t.dtype, t.name),
             "pieces": [],
         }
         for t in tensors
@@ -507,5 +425,5 @@ def _collect_index(
     # The reader's own check, before the commit: each array tiled by its pieces exactly
     # once (a shard with no owner, or with two, would commit an unreadable checkpoint).
     return _shards.validate_arrays(
-        arrays, lambda why: RuntimeError(f"{caller}: the processes' pieces do not fit: {why}.")
+        arrays, lambda why: RuntimeError(f"{call()}: the processes' pieces do not fit: {why}.")
     )

@@ -5,7 +5,7 @@ over the interconnect (an all-gather: NVLink or ICI on accelerators, gloo on CPU
 then reads the checkpoint once, where reading block by block (`_restore._read_blockwise`)
 reads it once per process.
 
-The runs are those of a replica-parallel save (`_shards.split_axis`, the same rule): a
+The runs are those of a replica-parallel save (`_runs.split_axis`, the same rule): a
 restore onto the processes that saved reads exactly the pieces each of them wrote, which
 matters because a verified read reads every piece it touches whole.
 
@@ -44,11 +44,10 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from .._errors import CheckpointFormatError
-from ..format import _shards
+from .._errors import CheckpointFormatError, call
+from ..format import _runs
 from . import _coordination
 
-CALLER = "restore_checkpoint"
 # How long a process waits for its peers before reading alone; a process arriving later
 # finds the exchange failed, and waits as long again at the next one (see `_exchange`).
 TIMEOUT_S = 60.0
@@ -85,7 +84,7 @@ def staging_sharding(leaf: Any) -> NamedSharding | None:
     cut = [math.prod(mesh.shape[n] for n in axes) for axes in named]
     if any(d % c for d, c in zip(shape, cut, strict=True)):
         return None  # uneven blocks: read block by block
-    axis = _shards.split_axis([d // c for d, c in zip(shape, cut, strict=True)], parts)
+    axis = _runs.split_axis([d // c for d, c in zip(shape, cut, strict=True)], parts)
     if axis is None or (shape[axis] // cut[axis]) % parts:
         return None
     entries[axis] = (*named[axis], *free)
@@ -114,7 +113,7 @@ def _exchange(status: str) -> list[str]:
     for skipped in range(_MAX_SKIPS + 1):
         op = _coordination.op_id("read_once", str(_coordination.next_number("read_once")))
         try:
-            return _coordination.gather(op, status, timeout_s=TIMEOUT_S, caller=CALLER)
+            return _coordination.gather(op, status, timeout_s=TIMEOUT_S)
         except _coordination.BarrierTimeoutError as error:
             if not error.late or skipped == _MAX_SKIPS:
                 raise
@@ -202,10 +201,14 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
         i, report = failed[0]
         why = f"process {i} could not read its share of it ({report['error']})"
         if report["kind"] == "gone":
-            raise FileNotFoundError(f"{CALLER}: {reader.path} changed while read: {why}")
+            raise FileNotFoundError(
+                f"{call('restore_checkpoint')}: {reader.path} changed while read: {why}"
+            )
         if report["kind"] == "format":
             raise reader.bad(why)
-        raise RuntimeError(f"{CALLER}: the restore of {reader.path} failed: {why}.")
+        raise RuntimeError(
+            f"{call('restore_checkpoint')}: the restore of {reader.path} failed: {why}."
+        )
     read = [r["read"] for r in reports]
     if len({(r["name"], r["digest"]) for r in read}) > 1:
         # Each process opened its own checkpoint (a save landed between their listings, or
@@ -214,7 +217,8 @@ def place(reader: Any, leaves: Sequence[tuple[str, Any]], verify: bool) -> dict[
             array.delete()
         listed = ", ".join(f"process {i}: {r['name']} ({r['digest']})" for i, r in enumerate(read))
         raise FileNotFoundError(
-            f"{CALLER}: the processes opened different checkpoints ({listed}; the digest is "
+            f"{call('restore_checkpoint')}: the processes opened different checkpoints "
+            f"({listed}; the digest is "
             "of each one's metadata), so their shares of one array cannot be assembled; "
             "looking again. Every process must restore the same checkpoint."
         )

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..._tree import path_to_name
+from .._errors import call
 
 Rename = Mapping[str, str] | Callable[[str], str | None] | None
 _LISTED_NAMES = 5  # names a message shows of a list before a count
@@ -40,7 +41,7 @@ def prefixes_of(name: str) -> list[str]:
     return ["", *(".".join(parts[:i]) for i in range(1, len(parts) + 1))]
 
 
-def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str | None]:
+def source_of(name: str, rename: Rename) -> tuple[str | None, str | None]:
     """(the saved name target leaf `name` takes its values from, or None for none; the
     `rename` prefix that decided it, or None). The longest matching prefix wins."""
     if rename is None:
@@ -49,11 +50,11 @@ def source_of(name: str, rename: Rename, caller: str) -> tuple[str | None, str |
         try:
             source = rename(name)
         except Exception as error:
-            error.add_note(f"{caller}: raised by rename('{name}'), the target leaf's name")
+            error.add_note(f"{call()}: raised by rename('{name}'), the target leaf's name")
             raise
         if source is not None and not isinstance(source, str):
             raise TypeError(
-                f"{caller}: rename('{name}') returned {source!r}; it must return a saved "
+                f"{call()}: rename('{name}') returned {source!r}; it must return a saved "
                 "name (str) or None (the leaf keeps the target's value)."
             )
         return source, None

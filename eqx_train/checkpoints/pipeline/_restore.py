@@ -1,20 +1,22 @@
-"""Restoring: the `Reader` every layout implements, opening any layout, and matching what a
-checkpoint holds against a target pytree.
+"""Restoring, as stages: resolve -> open -> match -> read -> place.
 
-A restore goes `_locations.resolve` (where) -> `_resolve` (which checkpoint: the path itself,
-or the latest / the step asked for in a directory listing, as an `Entry` that knows its
-layout) -> `open_reader` (the one place that picks a reader: `_format.FileReader`,
-`_shards.ShardedReader` or `_hf_layout.IndexReader`) -> `restore_from` (match the target,
-read only the tensors it needs, rebuild).
+- **resolve** (`_resolve`): which checkpoint: the path itself, or the latest / the step
+  asked for in a directory listing, as an `Entry` that knows its layout.
+- **open** (`open_reader`, the one place that picks a reader: `_format.FileReader`,
+  `_shards.ShardedReader` or `_hf_layout.IndexReader`; all are a `Reader`).
+- **match** (`_matching.match`): every leaf of the target paired with a saved tensor, every
+  problem listed before any tensor data is read.
+- **read** and **place** (`_read`): only the tensors the target needs, a window at a time
+  or device block by device block, placed on the target's devices (`place`).
+
+Every stage takes the restore's `RestoreOptions` whole; errors name the public call in
+progress (`_errors.call`).
 """
 
 from __future__ import annotations
 
-import collections
-import math
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import closing
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -28,17 +30,15 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from ..._tree import weak_like
-from .._errors import CheckpointFormatError, StepNotFoundError, invalid, short
+from .._errors import CheckpointFormatError, StepNotFoundError, call, invalid, short
 from ..format import _names
 from ..format._description import LeafKind, rebuild
 from ..format._format import FileReader
 from ..format._layouts import Location, foreign_directory, locate, open_reader
-from ..format._shards import ShardedReader
 from ..storage import Storage
-from . import _directory, _matching, _read_once, _selection, _transform
-from ._transfer import windowed_reads
-from ._window import DEFAULT_HOST_WINDOW_BYTES, HostWindow, stage
+from . import _directory, _matching, _read, _selection
+from ._options import RestoreOptions
+from ._window import stage
 
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
@@ -125,7 +125,7 @@ def _resolve(
             return _resolve(store, weights.path, step, prefix)[0], False
     if step is None:
         return _directory.latest(listing), True
-    found_step = _directory.find_step(listing, _names.check_step(step, "restore_checkpoint"))
+    found_step = _directory.find_step(listing, _names.check_step(step))
     if found_step is not None:
         return found_step, True
     available = list({e.value: e.text for e in listing}.values())
@@ -147,10 +147,12 @@ def _refuse_two_layouts(store: Storage, directory: str, hf_path: str, prefix: st
         )
 
 
-def restore(store: Storage, where: str, target: T, step: Any, prefix: str, **options: Any) -> T:
+def restore(
+    store: Storage, where: str, target: T, step: Any, prefix: str, options: RestoreOptions
+) -> T:
     """`restore_checkpoint` once its location is resolved: pick the checkpoint, open it,
-    match it (`restore_entry`, with `options`); again (up to 5 times) when a concurrent save
-    replaced what was being read."""
+    match it (`restore_one`); again (up to 5 times) when a concurrent save replaced what
+    was being read."""
     named_gone: FileNotFoundError | None = None
     for attempt in range(RESTORE_ATTEMPTS):
         entry, listed = _resolve(store, where, step, prefix)
@@ -159,7 +161,7 @@ def restore(store: Storage, where: str, target: T, step: Any, prefix: str, **opt
                 raise named_gone  # the checkpoint named was there, and went
             return target
         try:
-            return restore_entry(store, entry, target, **options)
+            return restore_one(store, entry, target, options)
         except FileNotFoundError as error:
             # A concurrent save replaced or removed what we were reading (an overwrite of
             # the step, or retention after a newer save): look again.
@@ -169,52 +171,22 @@ def restore(store: Storage, where: str, target: T, step: Any, prefix: str, **opt
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def restore_entry(
-    store: Storage,
-    entry: _directory.Entry | Location,
-    target: T,
-    *,
-    strict: bool = True,
-    parallel: bool = True,
-    verify: bool = True,
-    config: _selection.Config = "target",
-    filter_spec: Any = None,
-    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
-    rename: _matching.Rename = None,
-    casting: _matching.Casting = "no",
-    replica_parallel: bool = True,
-    transform: _transform.Transform = None,
+def restore_one(
+    store: Storage, entry: _directory.Entry | Location, target: T, options: RestoreOptions
 ) -> T:
     """Restores the listed checkpoint `entry` (or the `Location` of a checkpoint named
-    directly) into `target`. Raises `FileNotFoundError` if
-    it is gone, or was replaced while being read: the caller lists again."""
+    directly) into `target`, then proves that no file read changed meanwhile (object
+    stores): a checksum failure or a silently mixed read becomes `ObjectReplacedError`.
+    Raises `FileNotFoundError` if it is gone, or was replaced while being read: the caller
+    lists again."""
     with open_reader(store, entry) as reader:
-        return _restore_one(
-            reader,
-            target,
-            strict=strict,
-            parallel=parallel,
-            verify=verify,
-            config=config,
-            filter_spec=filter_spec,
-            host_window_bytes=host_window_bytes,
-            rename=rename,
-            casting=casting,
-            replica_parallel=replica_parallel,
-            transform=transform,
-        )
-
-
-def _restore_one(reader: Reader, target: Any, **options: Any) -> Any:
-    """`restore_from`, then proof that no file read changed meanwhile (object stores): a
-    checksum failure or a silently mixed read becomes `ObjectReplacedError`, and a retry."""
-    try:
-        restored = restore_from(reader, target, **options)
-    except CheckpointFormatError:
+        try:
+            restored = restore_from(reader, target, options=options)
+        except CheckpointFormatError:
+            reader.check_unchanged()
+            raise
         reader.check_unchanged()
-        raise
-    reader.check_unchanged()
-    return restored
+        return restored
 
 
 def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -234,191 +206,81 @@ def _unflatten_names(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     return nested
 
 
-def _fail(path: str, problems: list[str], strict: bool, caller: str, hint: str = "") -> None:
+def _fail(path: str, problems: list[str], strict: bool, hint: str = "") -> None:
     """Raises the `ValueError` listing `problems`; `strict` says whether `strict=False` is
     worth suggesting (not when no leaf is in both)."""
     listed = "\n  ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
     listed += f"\n  ... and {more} more" if more > 0 else ""
     raise ValueError(
-        f"{caller}: {path} does not match the target:\n  {listed}\n"
+        f"{call()}: {path} does not match the target:\n  {listed}\n"
         + (f"{hint}\n" if hint else "")
         + "Pass target=None to load the file as saved"
         + (", or strict=False to restore only the leaves present in both." if strict else ".")
     )
 
 
-def restore_from(
-    reader: Reader,
-    target: Any,
-    *,
-    strict: bool,
-    parallel: bool,
-    verify: bool,
-    caller: str = "restore_checkpoint",
-    config: _selection.Config = "target",
-    filter_spec: Any = None,
-    host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
-    rename: _matching.Rename = None,
-    casting: _matching.Casting = "no",
-    replica_parallel: bool = True,
-    transform: _transform.Transform = None,
-) -> Any:
+def _as_saved(reader: Reader, options: RestoreOptions) -> Any:
+    """The tree as saved, for `target=None`: rebuilt from the description, or (a file of
+    another tool) nested dicts split on '.'."""
+
+    def read_all() -> dict[str, np.ndarray]:
+        names = list(reader.arrays())
+        return reader.read_many(names, verify=options.verify, parallel=options.threaded_reads)
+
+    if not reader.has_description:
+        return _unflatten_names(read_all())
+    description = reader.description()  # validated before any tensor is read
+    arrays = read_all()
+    try:
+        return rebuild(description, arrays.__getitem__)
+    except CheckpointFormatError:
+        raise
+    except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown PRNG impl
+        raise reader.bad(f"its tree cannot be rebuilt ({short(str(error), 160)})") from None
+
+
+def restore_from(reader: Reader, target: Any, *, options: RestoreOptions) -> Any:
     """`target` filled from `reader` (or, for `target=None`, the tree as saved).
 
-    `_matching.match` pairs every data leaf of `target` with a saved tensor (by name through
-    `rename`; through `transform`; shape, dtype or a cast `casting` allows, PRNG key
-    implementation; with `strict`, nothing missing or extra; `filter_spec` and `config` as
-    in `_selection`), every problem listed in one `ValueError`, before any tensor data is
-    read. Then only the tensors needed are read: whole, a window of `host_window_bytes` at
-    a time (background threads read, verify, transform, cast and place several leaves at
-    once while the caller waits for earlier ones to reach their devices), or device block
-    by device block for a sharded target (`_blockwise`; never a transformed leaf, whose
-    blocks are not blocks of the saved tensor). `caller` names the public function in errors. With
-    `strict=False`, a `PartialRestoreWarning` says what did not match. With
-    `replica_parallel`, a block the target places on several processes is read once across
-    them (`_read_once`).
+    The match stage (`_matching.match`) pairs every data leaf of `target` with a saved
+    tensor, as `options` say, every problem listed in one `ValueError` before any tensor
+    data is read. Then the read and place stages (`_read`) read only the tensors needed:
+    whole, a window of `options.host_window_bytes` at a time, or device block by device
+    block for a sharded target (never a transformed leaf, whose blocks are not blocks of
+    the saved tensor). With `strict=False`, a `PartialRestoreWarning` says what did not
+    match.
     """
     if target is None:
-        if not reader.has_description:
-            return _unflatten_names(
-                reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
-            )
-        description = reader.description()
-        arrays = reader.read_many(list(reader.arrays()), verify=verify, parallel=parallel)
-        try:
-            return rebuild(description, arrays.__getitem__)
-        except CheckpointFormatError:
-            raise
-        except (ValueError, TypeError, KeyError) as error:  # e.g. an unknown PRNG impl
-            raise reader.bad(f"its tree cannot be rebuilt ({short(str(error), 160)})") from None
-
-    found = _matching.match(
-        reader,
-        target,
-        strict=strict,
-        rename=rename,
-        casting=casting,
-        config=config,
-        filter_spec=filter_spec,
-        caller=caller,
-        transform=transform,
-    )
+        return _as_saved(reader, options)
+    found = _matching.match(reader, target, options)
     if found.problems:
         # A file whose header was corrupted can look like a mismatch: its checksums say which.
         for name in found.mismatched:
             reader.read(name, verify=True)
-        _fail(reader.path, found.problems, strict and not found.nothing_found, caller, found.hint)
-    available, leaves, problems = reader.arrays(), found.leaves, []
-
-    def nbytes(name: str) -> int:
-        """Held on the host: the saved bytes, any cast copy, and each transform's output
-        (with its cast copy)."""
-        shape, dtype = available[name]
-        held = math.prod(shape) * max(
-            [dtype.itemsize]
-            + [2 * s.cast.itemsize for s in whole[name] if s.cast is not None and not s.transform]
-        )
-        for s in whole[name]:
-            if s.transform is not None and s.dtype is not None:
-                itemsize = s.dtype.itemsize + (s.cast.itemsize if s.cast is not None else 0)
-                held += math.prod(s.shape) * itemsize
-        return held
-
+        _fail(reader.path, found.problems, options.strict and not found.nothing_found, found.hint)
     whole: dict[str, list[_matching.Slot]] = {}  # saved name -> the leaves it fills
-    in_whole: set[int] = set()  # their indices
+    blocks: list[_matching.Slot] = []
     for slot in found.slots:
-        if slot.transform is not None or not _blockwise(reader, leaves[slot.index], slot.kind):
+        if slot.transform is not None or not _read.blockwise(
+            reader, found.leaves[slot.index], slot.kind
+        ):
             whole.setdefault(slot.saved, []).append(slot)
-            in_whole.add(slot.index)
-    targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
-
-    def place_all(name: str, array: np.ndarray) -> list[tuple[_matching.Slot, Any, str]]:
-        """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
-        placed, slots = [], whole[name]
-        for slot in slots:
-            try:
-                leaf = place(slot.kind, targets[slot.index], slot.host_array(array))
-            except _transform.TransformError as error:
-                placed.append((slot, None, f"'{slot.target}': from saved '{name}': {error}"))
-                continue
-            except ValueError as error:
-                placed.append((slot, None, f"'{slot.target}': {error}"))
-                continue
-            if len(slots) > 1 and isinstance(leaf, np.ndarray) and np.may_share_memory(leaf, array):
-                # NumPy leaves are mutable: a tied one must alias neither another NumPy leaf
-                # nor a jax.Array (a CPU device adopts the host buffer it is placed from).
-                leaf = leaf.copy()
-            placed.append((slot, leaf, ""))
-        return placed
-
-    reads = windowed_reads(
-        list(whole),
-        nbytes,
-        lambda group: reader.read_many(group, verify=verify, parallel=parallel),
-        HostWindow(host_window_bytes),
-        settle=lambda group: settle_placed([leaves[s.index] for n in group for s in whole[n]]),
-        place=place_all,
-    )
-    with closing(reads):
-        for _, placed in reads:
-            for slot, leaf, problem in placed:
-                if problem:
-                    problems.append(problem)
-                else:
-                    leaves[slot.index] = leaf
-    blockwise = [slot for slot in found.slots if slot.index not in in_whole]
-    # Read once across processes: a tensor no cast changes, filling one leaf (a tensor tied
-    # to several leaves may be placed differently for each).
-    counts = collections.Counter(slot.saved for slot in blockwise)
-    tied = {saved for saved, count in counts.items() if count > 1}
-    once = (
-        _read_once.place(
-            reader,
-            [
-                (s.saved, leaves[s.index])
-                for s in blockwise
-                if s.cast is None and s.saved not in tied
-            ],
-            verify,
-        )
-        if replica_parallel
-        else {}
-    )
-    for slot in blockwise:
-        if slot.saved in once:
-            read = once[slot.saved]
         else:
-            read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
-        leaves[slot.index] = weak_like(leaves[slot.index], read)
-    config_values = _config_values(reader, found, verify, parallel, problems)
+            blocks.append(slot)
+    # `place` and `settle_placed` looked up here, when called: tests replace them.
+    problems = _read.read_whole(reader, found, whole, options, place, settle_placed)
+    _read.read_blocks(reader, found, blocks, options)
+    config_values = _read.config_values(reader, found, options, problems)
     if problems:
-        _fail(reader.path, problems, strict, caller)
+        _fail(reader.path, problems, options.strict)
     differences = _selection.config_differences(config_values)
     if differences:
-        _selection.warn_config(reader.path, differences, caller)
-    if not strict:
-        _matching.warn_partial(reader.path, found, caller)
-    _matching.warn_placeholders(reader.path, found, leaves, caller)
-    return jtu.tree_unflatten(found.treedef, leaves)
-
-
-def _config_values(
-    reader: Reader, found: _matching.Match, verify: bool, parallel: bool, problems: list[str]
-) -> list[tuple[str, Any, LeafKind, np.ndarray]]:
-    """(name, target leaf, kind, saved value) of each Python scalar of an Equinox module the
-    file saved, to compare with the target's (read outside the window: a few bytes each);
-    a transform that fails on one adds to `problems`."""
-    arrays = reader.read_many(
-        list({slot.saved: None for slot in found.config_slots}), verify=verify, parallel=parallel
-    )
-    values = []
-    for s in found.config_slots:
-        try:
-            values.append((s.target, found.leaves[s.index], s.kind, s.host_array(arrays[s.saved])))
-        except _transform.TransformError as error:
-            problems.append(f"'{s.target}': from saved '{s.saved}': {error}")
-    return values
+        _selection.warn_config(reader.path, differences)
+    if not options.strict:
+        _matching.warn_partial(reader.path, found)
+    _matching.warn_placeholders(reader.path, found, found.leaves)
+    return jtu.tree_unflatten(found.treedef, found.leaves)
 
 
 def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:
@@ -436,30 +298,3 @@ def settle_placed(placed: Sequence[Any]) -> None:
     them): once per window group, not once per leaf."""
     with stage("place"):
         jax.block_until_ready([leaf for leaf in placed if isinstance(leaf, jax.Array)])
-
-
-def _blockwise(reader: Reader, leaf: Any, kind: LeafKind) -> bool:
-    """Read device by device (each device's block only) rather than whole: for an array
-    target whose sharding spans processes, or any sharded target of a `.shards` layout. An
-    uncommitted target (one device) is read whole, and placed uncommitted as it is."""
-    sharding = getattr(leaf, "sharding", None)
-    if kind.name != "array" or sharding is None or isinstance(leaf, np.ndarray):
-        return False
-    if isinstance(leaf, jax.Array) and not leaf.committed:
-        return False
-    return isinstance(reader, ShardedReader) or not sharding.is_fully_addressable
-
-
-def _read_blockwise(
-    reader: Reader, name: str, leaf: Any, verify: bool, cast: np.dtype | None = None
-) -> jax.Array:
-    shape, sharding = tuple(leaf.shape), leaf.sharding
-    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
-    blocks = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
-        if bounds not in read:
-            block = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
-            read[bounds] = _matching.cast_on_host(block, cast)
-        blocks.append(jax.device_put(read[bounds], device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, blocks)

@@ -21,15 +21,20 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import ConfigMismatchWarning as ConfigMismatchWarning, outside_stacklevel
+from .._errors import (
+    ConfigMismatchWarning as ConfigMismatchWarning,
+    call,
+    outside_stacklevel,
+)
 
 Config = Literal["target", "saved"]
 CONFIG_CHOICES = ("target", "saved")
 
 
-def check_config(config: Any, caller: str) -> None:
+def check_config(config: Any) -> None:
+    """Refuses a `config` that is not one of `CONFIG_CHOICES`."""
     if config not in CONFIG_CHOICES:
-        raise ValueError(f"{caller}: config must be one of {CONFIG_CHOICES}, got {config!r}.")
+        raise ValueError(f"{call()}: config must be one of {CONFIG_CHOICES}, got {config!r}.")
 
 
 def selected(target: Any, filter_spec: Any) -> list[bool]:
@@ -132,11 +137,11 @@ def config_differences(found: list[tuple[str, Any, Any, Any]]) -> list[str]:
     return differences
 
 
-def warn_config(path: str, differences: list[str], caller: str) -> None:
+def warn_config(path: str, differences: list[str]) -> None:
     listed = "\n  ".join(differences)
     warnings.warn(
         ConfigMismatchWarning(
-            f"{caller}: {path} saved another configuration; the target's values are kept:\n"
+            f"{call()}: {path} saved another configuration; the target's values are kept:\n"
             f"  {listed}\n"
             "Pass config='saved' to take the saved values instead."
         ),

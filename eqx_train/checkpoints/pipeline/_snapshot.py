@@ -18,12 +18,14 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._errors import call
 from . import _transfer
-from ._window import check_window, current_window
+from ._options import SNAPSHOT_MODES as SNAPSHOT_MODES, SnapshotMode as SnapshotMode
+from ._window import current_window
 
 if TYPE_CHECKING:
     import jax
@@ -36,21 +38,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
 
-SnapshotMode = Literal["auto", "device", "host"]
-SNAPSHOT_MODES: tuple[str, ...] = ("auto", "device", "host")
 # A device snapshot must fit in this share of the free device memory: the training step that
 # runs next needs room for its own temporaries.
 DEVICE_MEMORY_SHARE = 0.8
-
-
-def check_options(snapshot: str, host_window_bytes: Any, caller: str) -> None:
-    """Refuses a `snapshot` mode or a `host_window_bytes` that is not one we know."""
-    if snapshot not in SNAPSHOT_MODES:
-        raise ValueError(
-            f"{caller}: snapshot must be one of {', '.join(map(repr, SNAPSHOT_MODES))}, got "
-            f"{snapshot!r}."
-        )
-    check_window(host_window_bytes, caller)
 
 
 def _copy_arrays(arrays: Sequence[jax.Array]) -> list[jax.Array]:
@@ -192,7 +182,6 @@ def snapshot(
     tensors: Sequence[Tensor],
     mode: SnapshotMode,
     *,
-    caller: str,
     warn: Callable[[str], None],
 ) -> list[Tensor]:
     """The tensors with values that no later change of the caller's buffers can reach.
@@ -221,7 +210,7 @@ def snapshot(
         fits, why = snapshot_fits(on_device)
         if not fits:
             warn(
-                f"{caller}: the async save's device snapshot would not fit in device memory "
+                f"{call()}: the async save's device snapshot would not fit in device memory "
                 f"({why}); the state is copied to host memory instead, which blocks for the "
                 "transfer. Pass snapshot='host' to choose this and silence the warning."
             )
@@ -229,14 +218,14 @@ def snapshot(
     copies: dict[int, jax.Array] = {}
     if mode != "host":
         try:
-            copies = _copy_on_devices(on_device, caller)
+            copies = _copy_on_devices(on_device)
         except MemoryError:
             if mode != "auto":
                 raise
             # The estimate said it fits but the copy found no room when it ran (another
             # allocation in between, fragmentation): the choice is ours, so the host.
             warn(
-                f"{caller}: the async save's device snapshot, estimated to fit, found no room "
+                f"{call()}: the async save's device snapshot, estimated to fit, found no room "
                 "in device memory when it ran; the state is copied to host memory instead, "
                 "which blocks for the transfer. Pass snapshot='host' to choose this and "
                 "silence the warning."
@@ -286,7 +275,7 @@ def _out_of_memory(error: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
 
 
-def _copy_on_devices(arrays: Sequence[jax.Array], caller: str) -> dict[int, jax.Array]:
+def _copy_on_devices(arrays: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """`id(array) -> its device copy`. One jitted copy per set of devices (a computation
     runs on one device assignment). An array spread over several processes is copied shard
     by shard on this process's devices and reassembled: no computation spans processes, so
@@ -320,7 +309,7 @@ def _copy_on_devices(arrays: Sequence[jax.Array], caller: str) -> dict[int, jax.
                 raise
             for copy in [*copied.values(), *group_copies]:
                 copy.delete()
-            raise MemoryError(_no_room_message(group, caller)) from error
+            raise MemoryError(_no_room_message(group)) from error
         for part, copy in zip(group, group_copies, strict=True):
             copied[id(part)] = copy
     copies = {}
@@ -334,13 +323,13 @@ def _copy_on_devices(arrays: Sequence[jax.Array], caller: str) -> dict[int, jax.
     return copies
 
 
-def _no_room_message(group: Sequence[jax.Array], caller: str) -> str:
+def _no_room_message(group: Sequence[jax.Array]) -> str:
     need = device_bytes_needed(group)
     device, nbytes = max(need.items(), key=lambda item: item[1])
     free = free_device_bytes(device)
     free_text = "an unknown amount" if free is None else _mib(max(free, 0))
     return (
-        f"{caller}: snapshot='device' needs {_mib(nbytes)} on {device} for its copy of the "
+        f"{call()}: snapshot='device' needs {_mib(nbytes)} on {device} for its copy of the "
         f"state and {free_text} {'is' if free is None else 'are'} free; nothing was saved. "
         "Pass snapshot='host' to copy the state to host memory instead (it blocks for the "
         "transfer), or snapshot='auto' to choose by the memory free at each save."

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._window import Cancelled, HostWindow, add_stage, timing
+from .._errors import in_context
+from ..format import _format
+from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 
 # A restore reads up to this many groups of leaves at once, each a share of the window.
 _GROUPS_PER_WINDOW = 4
@@ -187,6 +189,21 @@ def host_arrays(
             window.release(nbytes)
 
 
+def through_window(
+    tensors: Sequence[Tensor], final: bool
+) -> Generator[tuple[Tensor, np.ndarray], None, None]:
+    """The format writer's leaf source in a save (`_format.leaves_from`): `host_arrays`
+    within the window `_window.host_window_bytes` set."""
+    return host_arrays(tensors, current_window(), final=final)
+
+
+def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+    """`_format.write_file`, its leaves moved to the host by `host_arrays` within the
+    current window: the writer of a save outside the save pipeline (`save_sharded`)."""
+    with _format.leaves_from(through_window):
+        _format.write_file(out, tensors, metadata)
+
+
 # --------------------------------------------------------------------------------------------
 # Host -> device, a window at a time.
 
@@ -261,6 +278,9 @@ def windowed_reads(
         arrays = read_many(group)
         with settings():
             return {name: place(name, arrays.pop(name)) for name in group}
+
+    # Built here, on the caller's thread: the pool's threads name the caller's public call.
+    read_and_place = in_context(read_and_place)
 
     def read_ahead() -> None:
         try:

@@ -26,7 +26,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
 
-from .._errors import short
+from .._errors import call, short
 
 Transform = Mapping[str, Callable[[Any], Any]] | Callable[[str, Any], Any] | None
 Shape = tuple[int, ...]
@@ -44,8 +44,8 @@ class TransformError(ValueError):
     names neither leaf nor caller: the matcher and the restore add them)."""
 
 
-def check_transform(transform: Any, caller: str) -> None:
-    """Raises `TypeError`, naming `caller`, for a `transform` that is neither None, a
+def check_transform(transform: Any) -> None:
+    """Raises `TypeError` for a `transform` that is neither None, a
     mapping of target-name prefixes (str) to functions, nor a function."""
     if transform is None:
         return
@@ -55,12 +55,12 @@ def check_transform(transform: Any, caller: str) -> None:
             return
         key, value = bad[0]
         raise TypeError(
-            f"{caller}: transform must map target name prefixes (str) to functions "
+            f"{call()}: transform must map target name prefixes (str) to functions "
             f"array -> array; its entry {short(key)}: {short(value)} is not one."
         )
     if not callable(transform):
         raise TypeError(
-            f"{caller}: transform must be a mapping of target name prefixes to functions "
+            f"{call()}: transform must be a mapping of target name prefixes to functions "
             "array -> array, or a function (target_name, array) -> array | None, got "
             f"{short(transform)}."
         )

@@ -1,13 +1,12 @@
-"""The host window: how many leaf bytes the save and restore pipelines hold on the host, and
-where their stages spend their time.
+"""The host window: how many leaf bytes the save and restore pipelines hold on the host
+(and, re-exported from `format._timing`, where their stages spend their time).
 
 `HostWindow` counts the bytes one pipeline holds; `held_bytes()` / `peak_held_bytes()` sum
 them over every pipeline of the process (they are what the memory tests measure: on a CPU
 backend, process RSS also counts device memory and the allocator's caches).
 
 `stage_times()` collects, for the benchmarks, the seconds each stage of a pipeline was busy
-(transfers waited for, hashing, writing, fsync, reading, verifying, placing): stages that
-overlap add up to more than the wall time.
+(`format._timing`).
 """
 
 from __future__ import annotations
@@ -15,16 +14,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from .._errors import call
+from ..format._timing import (
+    add_stage as add_stage,
+    stage as stage,
+    stage_times as stage_times,
+    timing as timing,
+)
+
 DEFAULT_HOST_WINDOW_BYTES = 256 << 20
 
 
-def check_window(host_window_bytes: Any, caller: str) -> None:
+def check_window(host_window_bytes: Any) -> None:
     """Refuses a `host_window_bytes` that is not a positive int, naming it."""
     if (
         not isinstance(host_window_bytes, int | np.integer)
@@ -32,7 +38,7 @@ def check_window(host_window_bytes: Any, caller: str) -> None:
         or host_window_bytes < 1
     ):
         raise ValueError(
-            f"{caller}: host_window_bytes must be a positive int (bytes), got "
+            f"{call()}: host_window_bytes must be a positive int (bytes), got "
             f"{host_window_bytes!r}."
         )
 
@@ -130,49 +136,3 @@ class HostWindow:
 
     def release_all(self) -> None:
         self.release(self.in_use)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage timings, for the benchmarks.
-
-_stages_lock = threading.Lock()
-_stages: dict[str, float] | None = None
-
-
-@contextlib.contextmanager
-def stage_times() -> Iterator[dict[str, float]]:
-    """Within this block, every pipeline of the process adds the seconds each of its stages
-    was busy to the yielded dict (`"transfer"`, `"hash"`, `"write"`, `"fsync"`, `"read"`,
-    `"verify"`, `"place"`). For benchmarks: outside such a block nothing is recorded."""
-    global _stages
-    times: dict[str, float] = {}
-    with _stages_lock:
-        _stages = times
-    try:
-        yield times
-    finally:
-        with _stages_lock:
-            _stages = None
-
-
-@contextlib.contextmanager
-def stage(name: str) -> Iterator[None]:
-    """Adds the time spent in this block to stage `name`, if stages are being timed."""
-    if _stages is None:
-        yield
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        add_stage(name, time.perf_counter() - start)
-
-
-def add_stage(name: str, seconds: float) -> None:
-    with _stages_lock:
-        if _stages is not None:
-            _stages[name] = _stages.get(name, 0.0) + seconds
-
-
-def timing() -> bool:
-    return _stages is not None

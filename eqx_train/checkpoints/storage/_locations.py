@@ -8,7 +8,6 @@ here, before anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import os
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import call, calling
+from .._errors import call
 from . import _registry, _s3
 from ._base import Storage
 from ._fsspec import DEFAULT_DEADLINE_S, FsspecStorage
@@ -35,8 +34,6 @@ _COLLAPSED_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 def resolve(
     path: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
-    *,
-    caller: str | None = None,
 ) -> tuple[Storage, str]:
     """The storage for a checkpoint location, and the location as that storage names it
     (a local path, or a URL), routed by the URL's scheme through the scheme table.
@@ -44,26 +41,22 @@ def resolve(
     credentials, endpoint..., except `deadline_s`, how long one save may spend on
     requests); the standard environment variables (`AWS_ENDPOINT_URL`, ...) apply too. A
     URL whose key the store would rewrite (`a//b`, `a\\b`, `./`, `../`, a name ending in
-    `.`) is refused.
-
-    `caller` names the public call in errors where no public call named itself yet (it is
-    accepted until every call site sets the name at the API boundary)."""
-    with calling(caller) if caller else contextlib.nullcontext():
-        text = os.fspath(path)
-        if not isinstance(text, str):
-            raise TypeError(f"{call()}: expected a path or URL string, got {text!r}.")
-        if not is_url(text):
-            collapsed = _COLLAPSED_URL.match(text)
-            if collapsed and not isinstance(path, str) and _registry.is_registered(collapsed[1]):
-                raise ValueError(
-                    f"{call()}: {text!r} looks like a URL that pathlib collapsed ('//' "
-                    "became '/'); pass URLs as strings."
-                )
-            return _LOCAL, text
-        scheme, _, rest = text.partition("://")
-        protocol = scheme.lower()
-        opener = _registry.opener_for(text, protocol, _open_fsspec)
-        return opener(text, protocol, rest, dict(storage_options or {}))
+    `.`) is refused."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{call()}: expected a path or URL string, got {text!r}.")
+    if not is_url(text):
+        collapsed = _COLLAPSED_URL.match(text)
+        if collapsed and not isinstance(path, str) and _registry.is_registered(collapsed[1]):
+            raise ValueError(
+                f"{call()}: {text!r} looks like a URL that pathlib collapsed ('//' "
+                "became '/'); pass URLs as strings."
+            )
+        return _LOCAL, text
+    scheme, _, rest = text.partition("://")
+    protocol = scheme.lower()
+    opener = _registry.opener_for(text, protocol, _open_fsspec)
+    return opener(text, protocol, rest, dict(storage_options or {}))
 
 
 def _open_file(url: str, scheme: str, rest: str, options: dict[str, Any]) -> tuple[Storage, str]:

@@ -1,0 +1,178 @@
+"""The read and place stages of a restore: the tensors a match chose, read from a reader and
+placed on the target's devices.
+
+Whole tensors are read a window of `host_window_bytes` at a time (background threads read,
+verify, transform, cast and place several leaves at once while the caller waits for
+earlier ones to reach their devices, `_transfer.windowed_reads`); the leaves of a sharded
+target are read device block by device block (`blockwise`), a block several processes
+place read once across them (`_read_once`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+from contextlib import closing
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+else:  # imported on first use: the command line reads headers without JAX
+    from ..._lazy import LazyModule
+
+    jax = LazyModule("jax")
+
+from ..._tree import weak_like
+from ..format._description import LeafKind
+from . import _matching, _read_once, _transform
+from ._options import RestoreOptions
+from ._transfer import windowed_reads
+from ._window import HostWindow
+
+# (kind, target leaf, host bytes) -> the placed leaf; and: wait until leaves are placed.
+Place = Callable[[LeafKind, Any, np.ndarray], Any]
+Settle = Callable[[Sequence[Any]], None]
+
+
+def blockwise(reader: Any, leaf: Any, kind: LeafKind) -> bool:
+    """Read device by device (each device's block only) rather than whole: for an array
+    target whose sharding spans processes, or any sharded target of a `.shards` layout. An
+    uncommitted target (one device) is read whole, and placed uncommitted as it is."""
+    sharding = getattr(leaf, "sharding", None)
+    if kind.name != "array" or sharding is None or isinstance(leaf, np.ndarray):
+        return False
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        return False
+    return getattr(reader, "reads_blocks", False) or not sharding.is_fully_addressable
+
+
+def read_whole(
+    reader: Any,
+    found: _matching.Match,
+    whole: dict[str, list[_matching.Slot]],
+    options: RestoreOptions,
+    place: Place,
+    settle: Settle,
+) -> list[str]:
+    """Fills `found.leaves` from the saved tensors `whole` names (saved name -> the slots
+    it fills), a window at a time; returns the problems (a leaf that cannot be placed)."""
+    leaves, available = found.leaves, reader.arrays()
+    targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
+
+    def nbytes(name: str) -> int:
+        """Held on the host: the saved bytes, any cast copy, and each transform's output
+        (with its cast copy)."""
+        shape, dtype = available[name]
+        held = math.prod(shape) * max(
+            [dtype.itemsize]
+            + [2 * s.cast.itemsize for s in whole[name] if s.cast is not None and not s.transform]
+        )
+        for s in whole[name]:
+            if s.transform is not None and s.dtype is not None:
+                itemsize = s.dtype.itemsize + (s.cast.itemsize if s.cast is not None else 0)
+                held += math.prod(s.shape) * itemsize
+        return held
+
+    def place_all(name: str, array: np.ndarray) -> list[tuple[_matching.Slot, Any, str]]:
+        """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
+        placed, slots = [], whole[name]
+        for slot in slots:
+            try:
+                leaf = place(slot.kind, targets[slot.index], slot.host_array(array))
+            except _transform.TransformError as error:
+                placed.append((slot, None, f"'{slot.target}': from saved '{name}': {error}"))
+                continue
+            except ValueError as error:
+                placed.append((slot, None, f"'{slot.target}': {error}"))
+                continue
+            if len(slots) > 1 and isinstance(leaf, np.ndarray) and np.may_share_memory(leaf, array):
+                # NumPy leaves are mutable: a tied one must alias neither another NumPy leaf
+                # nor a jax.Array (a CPU device adopts the host buffer it is placed from).
+                leaf = leaf.copy()
+            placed.append((slot, leaf, ""))
+        return placed
+
+    reads = windowed_reads(
+        list(whole),
+        nbytes,
+        lambda group: reader.read_many(
+            group, verify=options.verify, parallel=options.threaded_reads
+        ),
+        HostWindow(options.host_window_bytes),
+        settle=lambda group: settle([leaves[s.index] for n in group for s in whole[n]]),
+        place=place_all,
+    )
+    problems = []
+    with closing(reads):
+        for _, placed in reads:
+            for slot, leaf, problem in placed:
+                if problem:
+                    problems.append(problem)
+                else:
+                    leaves[slot.index] = leaf
+    return problems
+
+
+def read_blocks(
+    reader: Any, found: _matching.Match, slots: list[_matching.Slot], options: RestoreOptions
+) -> None:
+    """Fills the leaves of `slots` in `found.leaves` device block by device block, a block
+    several processes place read once across them with `options.replica_parallel`."""
+    leaves, verify = found.leaves, options.verify
+    # Read once across processes: a tensor no cast changes, filling one leaf (a tensor tied
+    # to several leaves may be placed differently for each).
+    counts = collections.Counter(slot.saved for slot in slots)
+    tied = {saved for saved, count in counts.items() if count > 1}
+    once = (
+        _read_once.place(
+            reader,
+            [(s.saved, leaves[s.index]) for s in slots if s.cast is None and s.saved not in tied],
+            verify,
+        )
+        if options.replica_parallel
+        else {}
+    )
+    for slot in slots:
+        if slot.saved in once:
+            read = once[slot.saved]
+        else:
+            read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
+        leaves[slot.index] = weak_like(leaves[slot.index], read)
+
+
+def config_values(
+    reader: Any, found: _matching.Match, options: RestoreOptions, problems: list[str]
+) -> list[tuple[str, Any, LeafKind, np.ndarray]]:
+    """(name, target leaf, kind, saved value) of each Python scalar of an Equinox module the
+    file saved, to compare with the target's (read outside the window: a few bytes each);
+    a transform that fails on one adds to `problems`."""
+    arrays = reader.read_many(
+        list({slot.saved: None for slot in found.config_slots}),
+        verify=options.verify,
+        parallel=options.threaded_reads,
+    )
+    values = []
+    for s in found.config_slots:
+        try:
+            values.append((s.target, found.leaves[s.index], s.kind, s.host_array(arrays[s.saved])))
+        except _transform.TransformError as error:
+            problems.append(f"'{s.target}': from saved '{s.saved}': {error}")
+    return values
+
+
+def _read_blockwise(
+    reader: Any, name: str, leaf: Any, verify: bool, cast: np.dtype | None = None
+) -> jax.Array:
+    shape, sharding = tuple(leaf.shape), leaf.sharding
+    read: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # a block several devices hold
+    blocks = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+        if bounds not in read:
+            block = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
+            read[bounds] = _matching.cast_on_host(block, cast)
+        blocks.append(jax.device_put(read[bounds], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, blocks)
