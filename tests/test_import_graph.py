@@ -48,11 +48,12 @@ def _edges(modules) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, (path, tree) in modules.items():
         for module, names in _imports(name, path, tree):
-            if module in modules:
+            submodules = {f"{module}.{n}" for n in names} & modules.keys()
+            graph[name] |= submodules
+            # `from package import _submodule` imports the submodule, not a name of the
+            # package's own (the package runs first, as for any submodule import).
+            if module in modules and (not names or len(submodules) < len(names)):
                 graph[name].add(module)
-            for imported in names:
-                if f"{module}.{imported}" in modules:
-                    graph[name].add(f"{module}.{imported}")
     for name in graph:
         graph[name].discard(name)
         # Importing a submodule runs its package's __init__ first; that edge is not a cycle

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointFormatError, invalid, short
-from ..storage import LocalStorage, Storage
+from ..storage._base import Storage
+from ..storage._local import LocalStorage
 from ._checksums import text_digest
 from ._description import parse_json
 from ._format import FileReader, ReaderBase

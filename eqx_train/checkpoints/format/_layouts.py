@@ -26,7 +26,8 @@ from .._errors import (
     ForeignCheckpointError as ForeignCheckpointError,
     short,
 )
-from ..storage import LocalStorage, Storage
+from ..storage._base import Storage
+from ..storage._local import LocalStorage
 from ..storage._urls import is_url
 from . import _names
 from ._format import FileReader

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
-from ..storage import LocalStorage, Source
+from ..storage._base import Source
+from ..storage._local import LocalStorage
 from . import _header_codes
 from ._checksums import text_digest, verify_bytes
 from ._description import DTYPE_TO_CODE, Arrays, parse_description, parse_json

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import short
-from ..storage import Storage
+from ..storage._base import Storage
 from ._json import parse_json
 from ._leaf_kinds import CODE_TO_DTYPE
 from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, PROCESS_KEY, SAVE_KEY, parse_piece_file

@@ -23,7 +23,7 @@ from .._errors import (
 )
 from ..format import _names
 from ..pipeline import _coordination, _directory
-from ..storage import Storage
+from ..storage._base import Storage
 
 T = TypeVar("T")
 

@@ -33,7 +33,7 @@ from ..format._names import (
 )
 from ..pipeline import _directory
 from ..pipeline._snapshot import SnapshotMode
-from ..storage import Storage
+from ..storage._base import Storage
 from ._options import ManagerOptions, Option as _Option
 from ._retention_policy import Mode, RetentionContext, RetentionPolicy
 from ._save_policy import SavePolicy

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._errors import StepExistsError, call
 from ..format import _names, _shards
-from ..storage import Storage
+from ..storage._base import Storage
 
 
 @dataclass(frozen=True)

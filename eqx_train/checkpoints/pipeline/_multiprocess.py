@@ -31,7 +31,7 @@ else:  # imported on first use: the command line reads headers without JAX
 from .._errors import call
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
-from ..storage import Storage
+from ..storage._base import Storage
 from . import _agreement, _coordination, _directory
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
 

@@ -35,7 +35,7 @@ from ..format import _names
 from ..format._description import LeafKind, rebuild
 from ..format._format import FileReader
 from ..format._layouts import Location, foreign_directory, locate, open_reader
-from ..storage import Storage
+from ..storage._base import Storage
 from . import _directory, _matching, _read, _selection
 from ._options import RestoreOptions
 from ._window import stage

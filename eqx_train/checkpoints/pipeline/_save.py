@@ -33,7 +33,8 @@ else:  # imported on first use: the command line reads headers without JAX
 
 from .._errors import StepExistsError, call, in_context
 from ..format import _description, _format, _names
-from ..storage import Storage, _locations
+from ..storage import _locations
+from ..storage._base import Storage
 from . import _directory, _multiprocess, _selection, _snapshot, _transfer, _window
 from ._async import AsyncManager
 from ._options import SaveOptions
