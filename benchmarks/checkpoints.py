@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from _timing import PeakRSS, print_table, write_and_fsync  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
-from eqx_train.checkpoints.format._format import aligned_empty  # noqa: E402
+from eqx_train.checkpoints.format._reader import aligned_empty  # noqa: E402
 from eqx_train.checkpoints.pipeline import _window  # noqa: E402
 
 

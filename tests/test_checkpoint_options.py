@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.format import _reader
 from eqx_train.checkpoints.pipeline._options import RestoreOptions, SaveOptions
 from eqx_train.interop import load_sharded, save_sharded
 
@@ -22,13 +22,13 @@ STATE = {"a": np.ones(9 * MiB // 4, np.float32), "b": np.zeros(9 * MiB // 4, np.
 def reading_threads(monkeypatch):
     """The threads that read tensors from a checkpoint file, as the restore runs."""
     threads = set()
-    real = _format.FileReader.read
+    real = _reader.FileReader.read
 
     def read(self, name, index=None, *, verify=True):
         threads.add(threading.current_thread())
         return real(self, name, index, verify=verify)
 
-    monkeypatch.setattr(_format.FileReader, "read", read)
+    monkeypatch.setattr(_reader.FileReader, "read", read)
     return threads
 
 

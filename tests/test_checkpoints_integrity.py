@@ -21,7 +21,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager
-from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.format import _format, _reader
 from eqx_train.checkpoints.pipeline import _restore
 from tests.support.helpers import assert_trees_equal, latest_path
 
@@ -95,7 +95,7 @@ def test_restore_racing_an_overwrite_of_the_same_step_returns_one_version(tmp_pa
     old = {"a": np.full((4,), 1.0, np.float32), "b": np.full((8,), 2, np.int32)}
     new = {"a": np.full((64,), 3.0, np.float32), "b": np.full((2,), 4, np.int32)}
     checkpoints.save_checkpoint(tmp_path, old, 1)
-    parse = _format.FileReader._parse
+    parse = _reader.FileReader._parse
     raced = []
 
     def parse_then_overwrite(self):
@@ -104,7 +104,7 @@ def test_restore_racing_an_overwrite_of_the_same_step_returns_one_version(tmp_pa
             raced.append(True)
             checkpoints.save_checkpoint(tmp_path, new, 1, overwrite=True)
 
-    monkeypatch.setattr(_format.FileReader, "_parse", parse_then_overwrite)
+    monkeypatch.setattr(_reader.FileReader, "_parse", parse_then_overwrite)
     restored = checkpoints.restore_checkpoint(tmp_path, None)
     assert raced
     assert_trees_equal(restored, old)

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eqx_train import checkpoints
-from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.format import _format, _reader
 from eqx_train.checkpoints.pipeline import _snapshot, _transfer, _window
 from tests.support.helpers import assert_trees_equal, hold_the_writer
 
@@ -324,7 +324,7 @@ def test_restore_onto_devices_holds_at_most_its_host_window(tmp_path, peak):
 def test_a_restore_that_fails_midway_lets_go_of_its_window(tmp_path, peak, monkeypatch):
     checkpoints.save_checkpoint(tmp_path, _device_state(leaves=8), 1)
     reads = []
-    real = _format.FileReader.read_many
+    real = _reader.FileReader.read_many
 
     def fail_third_group(self, names, **kw):
         reads.append(names)
@@ -332,7 +332,7 @@ def test_a_restore_that_fails_midway_lets_go_of_its_window(tmp_path, peak, monke
             raise OSError("disk gone")
         return real(self, names, **kw)
 
-    monkeypatch.setattr(_format.FileReader, "read_many", fail_third_group)
+    monkeypatch.setattr(_reader.FileReader, "read_many", fail_third_group)
     with pytest.raises(OSError, match="disk gone"):
         checkpoints.restore_checkpoint(tmp_path, _device_state(leaves=8), host_window_bytes=MiB)
     assert len(reads) == 3

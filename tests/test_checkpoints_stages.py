@@ -18,7 +18,7 @@ import pytest
 import safetensors.numpy
 
 from eqx_train import TrainState, checkpoints
-from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.format import _format, _reader
 from eqx_train.checkpoints.pipeline import _restore, _snapshot, _transfer, _window
 from tests.support.helpers import assert_trees_equal, hold_the_writer
 
@@ -167,7 +167,7 @@ def test_large_tensors_start_on_a_page_even_after_a_four_byte_step(tmp_path):
     model = eqx.nn.MLP(64, 10, 512, 2, key=jax.random.key(0))
     state = TrainState.create(model=model, tx=optax.adam(1e-3))
     path = checkpoints.save_checkpoint(tmp_path, state, 1)
-    with _format.FileReader(path) as reader:
+    with _reader.FileReader(path) as reader:
         infos = list(reader.tensors.values())
     paged = [info.name for info in infos if info.nbytes % 4096 == 0]
     assert len(paged) == 9  # three weights, and Adam's two moments of each

@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 
 import eqx_train
-from eqx_train.checkpoints.format import _description, _format
+from eqx_train.checkpoints.format import _description, _format, _reader
 from eqx_train.checkpoints.storage import LocalStorage
 
 CHECKPOINTS = pathlib.Path(eqx_train.__file__).parent / "checkpoints"
@@ -55,6 +55,6 @@ def test_the_writer_alone_writes_a_file_the_reader_reads(tmp_path):
     metadata = _format.base_metadata("1", description)
     path = os.path.join(tmp_path, "plain.safetensors")
     LocalStorage().atomic_write(path, lambda fd: _format.write_file(fd, tensors, metadata))
-    with _format.FileReader(path) as reader:
+    with _reader.FileReader(path) as reader:
         restored = _description.rebuild(reader.description(), reader.read)
     assert restored["w"].tolist() == tree["w"].tolist() and restored["b"] == 7

@@ -362,16 +362,16 @@ def test_only_the_shards_holding_needed_tensors_are_read(tmp_path, monkeypatch):
     save_sharded(
         tmp_path, {"w": np.zeros(64, np.float32), "v": np.ones(64, np.float32)}, max_shard_size=256
     )
-    from eqx_train.checkpoints.format import _format
+    from eqx_train.checkpoints.format import _reader
 
     read_from = []
-    real = _format.FileReader.read
+    real = _reader.FileReader.read
 
     def spy(self, name, *args, **kwargs):
         read_from.append(os.path.basename(self.path))
         return real(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(_format.FileReader, "read", spy)
+    monkeypatch.setattr(_reader.FileReader, "read", spy)
     with pytest.warns(PartialRestoreWarning, match="saved tensors went unused"):
         loaded = load_sharded(tmp_path, {"v": np.zeros(64, np.float32)}, strict=False)
     np.testing.assert_array_equal(loaded["v"], np.ones(64))

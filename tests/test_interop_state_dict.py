@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eqx_train.checkpoints import save_checkpoint
-from eqx_train.checkpoints.format._format import FileReader
+from eqx_train.checkpoints.format._reader import FileReader
 from eqx_train.interop import LoadReport, from_state_dict, to_state_dict
 from tests.support.helpers import assert_trees_equal
 

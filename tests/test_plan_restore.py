@@ -15,7 +15,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import PartialRestoreWarning, plan_restore, restore_checkpoint
-from eqx_train.checkpoints.format import _format, _shards
+from eqx_train.checkpoints.format import _reader, _shards
 
 
 class Block(eqx.Module):
@@ -193,7 +193,7 @@ def test_a_plan_of_a_shards_checkpoint_reads_no_tensor_data(tmp_path, monkeypatc
     def no_reads(*args, **kwargs):
         raise AssertionError("plan_restore read tensor data")
 
-    for reader in (_format.FileReader, _shards.ShardedReader):
+    for reader in (_reader.FileReader, _shards.ShardedReader):
         monkeypatch.setattr(reader, "read", no_reads)
         monkeypatch.setattr(reader, "read_many", no_reads)
     target = _like_saved(enc={"w": jnp.zeros((2, 3), jnp.bfloat16), "b": _f32(2)})

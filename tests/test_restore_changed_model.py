@@ -19,7 +19,7 @@ from eqx_train.checkpoints import (
     plan_restore,
     restore_checkpoint,
 )
-from eqx_train.checkpoints.format import _format
+from eqx_train.checkpoints.format import _reader
 from tests.support.helpers import assert_trees_equal, flip_last_byte
 
 
@@ -339,8 +339,8 @@ def test_a_plan_reads_no_tensor_data(save, monkeypatch):
     def no_reads(*args, **kwargs):
         raise AssertionError("plan_restore read tensor data")
 
-    monkeypatch.setattr(_format.FileReader, "read", no_reads)
-    monkeypatch.setattr(_format.FileReader, "read_many", no_reads)
+    monkeypatch.setattr(_reader.FileReader, "read", no_reads)
+    monkeypatch.setattr(_reader.FileReader, "read_many", no_reads)
     plan = plan_restore(directory, {"w": jnp.zeros(3, jnp.bfloat16)}, casting="same_kind")
     assert plan.ok and list(plan.cast) == ["w"]
 

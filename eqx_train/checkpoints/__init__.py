@@ -9,7 +9,6 @@ if TYPE_CHECKING:
     from ._api import (
         available_steps as available_steps,
         latest_checkpoint as latest_checkpoint,
-        restore_checkpoint as restore_checkpoint,
         save_checkpoint as save_checkpoint,
         save_checkpoint_multiprocess as save_checkpoint_multiprocess,
     )
@@ -24,6 +23,7 @@ if TYPE_CHECKING:
         UnreadableCheckpointWarning as UnreadableCheckpointWarning,
     )
     from ._plan import RestorePlan as RestorePlan, plan_restore as plan_restore
+    from ._restore_api import restore_checkpoint as restore_checkpoint
     from .format._legacy import convert_pre_linen as convert_pre_linen
     from .manager._manager import CheckpointManager as CheckpointManager
     from .manager._retention_policy import (
@@ -77,7 +77,7 @@ __getattr__, __dir__ = exports(
         "latest_checkpoint": "_api",
         "plan_restore": "_plan",
         "register_storage": "storage",
-        "restore_checkpoint": "_api",
+        "restore_checkpoint": "_restore_api",
         "save_checkpoint": "_api",
         "save_checkpoint_multiprocess": "_api",
     },

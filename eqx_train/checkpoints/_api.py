@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._errors import calling
-from ._restore_api import restore_checkpoint as restore_checkpoint
 from .format import _names
 from .pipeline import _directory, _save
 from .pipeline._async import AsyncManager

@@ -23,14 +23,7 @@ from .format._description import (
     key_impls as key_impls,
     parse_json as parse_json,
 )
-from .format._format import (
-    MAX_NDIM as MAX_NDIM,
-    FileReader as FileReader,
-    aligned_empty as aligned_empty,
-    check_header_size as check_header_size,
-    too_big as too_big,
-    write_all as write_all,
-)
+from .format._format import check_header_size as check_header_size, write_all as write_all
 from .format._hf_layout import IndexReader as IndexReader
 from .format._layouts import (
     FOREIGN_READERS as FOREIGN_READERS,
@@ -64,6 +57,12 @@ from .format._names import (
     parse_temp as parse_temp,
     step_from_text as step_from_text,
     writer_is_dead as writer_is_dead,
+)
+from .format._reader import (
+    MAX_NDIM as MAX_NDIM,
+    FileReader as FileReader,
+    aligned_empty as aligned_empty,
+    too_big as too_big,
 )
 from .pipeline._directory import (
     list_checkpoints as list_checkpoints,

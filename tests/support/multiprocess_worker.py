@@ -126,22 +126,22 @@ def rp_restore(path, step, restore=None, **options):
     process read from the checkpoint's piece files (what a verified read fetches)."""
     import math
 
-    from eqx_train.checkpoints.format import _format
+    from eqx_train.checkpoints.format import _reader
 
     counted = [0]
-    real_fill = _format.FileReader._fill
+    real_fill = _reader.FileReader._fill
 
     def fill(self, info, out, verify):
         if "process_" in self.path:
             counted[0] += math.prod(info.shape) * info.dtype.itemsize
         return real_fill(self, info, out, verify)
 
-    _format.FileReader._fill = fill
+    _reader.FileReader._fill = fill
     try:
         restore = restore or checkpoints.restore_checkpoint
         rp_check(restore(path, rp_tree(0), **options), step)
     finally:
-        _format.FileReader._fill = real_fill
+        _reader.FileReader._fill = real_fill
     return counted[0]
 
 

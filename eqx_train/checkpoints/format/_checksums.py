@@ -16,7 +16,7 @@ _HASH_CHUNK = 2 << 20
 
 @runtime_checkable
 class TensorBytes(Protocol):
-    """What `verify_bytes` needs to know of a tensor (a `_format.TensorInfo`)."""
+    """What `verify_bytes` needs to know of a tensor (a `_reader.TensorInfo`)."""
 
     @property
     def name(self) -> str: ...

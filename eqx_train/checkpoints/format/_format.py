@@ -41,15 +41,6 @@ from ._names import (
     STEP_KEY,
     TREE_KEY,
 )
-from ._reader import (
-    MAX_NDIM as MAX_NDIM,
-    FileReader as FileReader,
-    ReaderBase as ReaderBase,
-    TensorInfo as TensorInfo,
-    aligned_empty as aligned_empty,
-    normalize_index as normalize_index,
-    too_big as too_big,
-)
 from ._timing import stage, timing
 
 # The data section starts on a page once there is this much data: copies between the page

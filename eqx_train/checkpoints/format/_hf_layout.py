@@ -29,8 +29,8 @@ from ..storage._base import Storage
 from ..storage._local import LocalStorage
 from ._checksums import text_digest
 from ._description import parse_json
-from ._format import FileReader, ReaderBase
 from ._names import HF_INDEX_NAME, HF_SAVE_KEY, HF_TREE_CHECKSUM_KEY, TREE_KEY
+from ._reader import FileReader, ReaderBase
 
 _MAX_INDEX_BYTES = 64 << 20
 
@@ -46,7 +46,7 @@ def is_plain_file_name(name: Any) -> bool:
 
 
 class IndexReader(ReaderBase):
-    """A sharded Hugging Face directory as one checkpoint reader (a `_restore.Reader`), so
+    """A sharded Hugging Face directory as one checkpoint reader (a `_layouts.Reader`), so
     that `restore_checkpoint`'s matching code serves it unchanged.
 
     The whole index is validated and every shard's header read and checked against it

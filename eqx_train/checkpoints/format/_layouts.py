@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
 
 from .._errors import (
     TORCH_HOW as _TORCH_HOW,
@@ -30,11 +32,70 @@ from ..storage._base import Storage
 from ..storage._local import LocalStorage
 from ..storage._urls import is_url
 from . import _names
-from ._format import FileReader
 from ._hf_layout import IndexReader
+from ._reader import FileReader
 from ._shards import ShardedReader
 
 Layout = Literal["file", "shards", "hf", "directory"]
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """One checkpoint, whatever its layout, as the matcher and the command line see it:
+    implemented by `FileReader` (one file), `ShardedReader` (a `.shards` directory) and
+    `IndexReader` (a Hugging Face directory), and the interop layer's readers of
+    flax and Orbax checkpoints. Use as a context manager."""
+
+    path: str
+    metadata: dict[str, str]  # the file's (or index's) `__metadata__`
+
+    @property
+    def has_description(self) -> bool:
+        """False for a checkpoint written by another tool (no tree description)."""
+        ...
+
+    def description(self) -> Any:
+        """The tree description, validated against `arrays()` (parsed on the first call)."""
+        ...
+
+    def bad(self, why: str) -> CheckpointFormatError:
+        """The error saying this checkpoint is not valid, and why."""
+        ...
+
+    def arrays(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
+        """Every tensor: name -> (shape, dtype)."""
+        ...
+
+    def read(
+        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        """Tensor `name`, or its block `index`."""
+        ...
+
+    def read_many(
+        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+    ) -> dict[str, np.ndarray]:
+        """Whole tensors, by name."""
+        ...
+
+    def files(self) -> dict[str, FileReader]:
+        """Every file holding tensor data, opened, by path."""
+        ...
+
+    def check_unchanged(self) -> None:
+        """Raises `ObjectReplacedError` if a file read was replaced since it was opened."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+# How each readable layout is opened: `open_reader` picks the opener by the layout `locate`
+# (or a directory listing) found. A new layout is one reader class and one entry here.
+Opener = Callable[[Storage, str], Reader]
 
 _SNIFF_BYTES = 16
 _INDEX_SUFFIX = ".index.json"
@@ -83,24 +144,39 @@ def locate(store: Storage, path: str) -> Location | None:
     return Location(path, "hf" if path.endswith(_INDEX_SUFFIX) else "file")
 
 
-def open_reader(store: Storage, entry: Any) -> Any:
-    """The reader of the checkpoint `entry` (from a listing, or `locate`), by its layout;
-    `ForeignCheckpointError` for a file that turns out to hold weights of another kind."""
-    if entry.layout == "shards":
-        return ShardedReader(store, entry.path)
-    if entry.layout == "hf" and entry.path.endswith(".json"):
-        directory, name = _split(entry.path)
+def _open_file(store: Storage, path: str) -> Reader:
+    try:
+        return FileReader(path, store.open(path))
+    except CheckpointFormatError:
+        # A safetensors header can start with any byte: sniff only once it failed.
+        foreign = sniff_file(store, path)
+        if foreign is not None:
+            raise foreign from None
+        raise
+
+
+def _open_hf(store: Storage, path: str) -> Reader:
+    if path.endswith(".json"):
+        directory, name = _split(path)
         return IndexReader(directory, name, store)
-    if entry.layout in ("file", "hf"):
-        try:
-            return FileReader(entry.path, store.open(entry.path))
-        except CheckpointFormatError:
-            # A safetensors header can start with any byte: sniff only once it failed.
-            foreign = sniff_file(store, entry.path)
-            if foreign is not None:
-                raise foreign from None
-            raise
-    raise ValueError(f"{entry.path} is not a checkpoint (it holds a {entry.layout} layout)")
+    return _open_file(store, path)
+
+
+OPENERS: dict[str, Opener] = {
+    "file": _open_file,
+    "shards": ShardedReader,
+    "hf": _open_hf,
+}
+
+
+def open_reader(store: Storage, entry: Any) -> Reader:
+    """The reader of the checkpoint `entry` (from a listing, or `locate`), by its layout
+    (`OPENERS`); `ForeignCheckpointError` for a file that turns out to hold weights of
+    another kind."""
+    opener = OPENERS.get(entry.layout)
+    if opener is None:
+        raise ValueError(f"{entry.path} is not a checkpoint (it holds a {entry.layout} layout)")
+    return opener(store, entry.path)
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -108,7 +108,7 @@ def _is_count(x: Any) -> bool:
 
 class ReaderBase:
     """What every checkpoint reader shares (the file, `.shards` and Hugging Face readers of
-    `_restore.Reader`): the tree description in its metadata, parsed and validated against
+    `_layouts.Reader`): the tree description in its metadata, parsed and validated against
     its tensors once, its errors, and use as a context manager."""
 
     path: str

@@ -26,11 +26,12 @@ from .._errors import (
     in_context,
     outside_stacklevel,
 )
-from ..format import _format, _names
+from ..format import _names
 from ..format._names import (
     METRICS_KEY as _METRICS_KEY,
     USER_METADATA_KEY as _USER_METADATA_KEY,
 )
+from ..format._reader import FileReader
 from ..pipeline import _directory
 from ..pipeline._snapshot import SnapshotMode
 from ..storage._base import Storage
@@ -49,7 +50,7 @@ def metadata_of(store: Storage, entry: _directory.Entry) -> dict[str, str]:
     """A listed checkpoint's metadata (a file's, or a `.shards` index's): its header only,
     opened directly (it is known to be a file or a `.shards` directory)."""
     path = store.join(entry.path, _names.INDEX_NAME) if entry.sharded else entry.path
-    with _format.FileReader(path, store.open(path)) as reader:
+    with FileReader(path, store.open(path)) as reader:
         return reader.metadata
 
 

@@ -31,6 +31,7 @@ else:  # imported on first use: the command line reads headers without JAX
 from .._errors import call
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
+from ..format._reader import FileReader
 from ..storage._base import Storage
 from . import _agreement, _coordination, _directory
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
@@ -385,7 +386,7 @@ def _index_owner(store: Storage, final_dir: str, token: str) -> str:
     "other" (another save's, or none), or "unknown" (it could not be read)."""
     index = store.join(final_dir, _names.INDEX_NAME)
     try:
-        with _format.FileReader(index, store.open(index)) as reader:
+        with FileReader(index, store.open(index)) as reader:
             arrays = json.loads(reader.metadata[_names.ARRAYS_KEY])
         cited = {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
     except FileNotFoundError:
@@ -416,7 +417,7 @@ def _collect_index(
     for i in range(count):
         file_name = _names.piece_file(i, token)
         path = store.join(final_dir, file_name)
-        with _format.FileReader(path, store.open(path)) as reader:
+        with FileReader(path, store.open(path)) as reader:
             where = json.loads(reader.metadata[PIECES_KEY])
         for tensor_name, piece in where.items():
             arrays[piece["leaf"]]["pieces"].append(

@@ -2,7 +2,7 @@
 
 - **resolve** (`_resolve`): which checkpoint: the path itself, or the latest / the step
   asked for in a directory listing, as an `Entry` that knows its layout.
-- **open** (`open_reader`, the one place that picks a reader: `_format.FileReader`,
+- **open** (`open_reader`, the one place that picks a reader: `_reader.FileReader`,
   `_shards.ShardedReader` or `_hf_layout.IndexReader`; all are a `Reader`).
 - **match** (`_matching.match`): every leaf of the target paired with a saved tensor, every
   problem listed before any tensor data is read.
@@ -16,8 +16,8 @@ progress (`_errors.call`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -33,8 +33,7 @@ else:  # imported on first use: the command line reads headers without JAX
 from .._errors import CheckpointFormatError, StepNotFoundError, call, invalid, short
 from ..format import _names
 from ..format._description import LeafKind, rebuild
-from ..format._format import FileReader
-from ..format._layouts import Location, foreign_directory, locate, open_reader
+from ..format._layouts import Location, Reader as Reader, foreign_directory, locate, open_reader
 from ..storage._base import Storage
 from . import _directory, _matching, _read, _selection
 from ._options import RestoreOptions
@@ -43,59 +42,6 @@ from ._window import stage
 T = TypeVar("T")
 _MAX_LISTED_PROBLEMS = 20
 RESTORE_ATTEMPTS = 5
-
-
-@runtime_checkable
-class Reader(Protocol):
-    """One checkpoint, whatever its layout, as the matcher and the command line see it:
-    implemented by `FileReader` (one file), `ShardedReader` (a `.shards` directory) and
-    `IndexReader` (a Hugging Face directory). Use as a context manager."""
-
-    path: str
-    metadata: dict[str, str]  # the file's (or index's) `__metadata__`
-
-    @property
-    def has_description(self) -> bool:
-        """False for a checkpoint written by another tool (no tree description)."""
-        ...
-
-    def description(self) -> Any:
-        """The tree description, validated against `arrays()` (parsed on the first call)."""
-        ...
-
-    def bad(self, why: str) -> CheckpointFormatError:
-        """The error saying this checkpoint is not valid, and why."""
-        ...
-
-    def arrays(self) -> Mapping[str, tuple[tuple[int, ...], np.dtype]]:
-        """Every tensor: name -> (shape, dtype)."""
-        ...
-
-    def read(
-        self, name: str, index: tuple[slice, ...] | None = None, *, verify: bool = True
-    ) -> np.ndarray:
-        """Tensor `name`, or its block `index`."""
-        ...
-
-    def read_many(
-        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
-    ) -> dict[str, np.ndarray]:
-        """Whole tensors, by name."""
-        ...
-
-    def files(self) -> dict[str, FileReader]:
-        """Every file holding tensor data, opened, by path."""
-        ...
-
-    def check_unchanged(self) -> None:
-        """Raises `ObjectReplacedError` if a file read was replaced since it was opened."""
-        ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(self, *exc: object) -> None: ...
 
 
 def _resolve(
