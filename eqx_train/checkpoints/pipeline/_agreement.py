@@ -15,6 +15,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
+from ... import _tree
 from .. import _errors
 from ..format import _description
 
@@ -86,7 +87,7 @@ def first_difference(layouts: list[dict[str, Any]]) -> str:
             if leaf[0] not in mine:
                 return f"leaf '{leaf[0]}' is saved by process {i} but not by process 0"
         if other["tree"] != reference["tree"]:
-            where = _tree_difference(reference["tree"], other["tree"], "")
+            where = _tree_difference(reference["tree"], other["tree"])
             return (
                 "the tree's structure or its non-array leaves differ between process 0 and "
                 f"process {i} {where} (process 0's first)"
@@ -109,29 +110,49 @@ def _node_text(node: Any) -> str:
     return f"a {kind} of {len(node[kind])}"
 
 
-def _tree_difference(a: Any, b: Any, path: str) -> str:
+def _description_children(node: Any) -> list[tuple[Any, Any]] | None:
+    """One level of a tree description (`_description.describe`): a dict's, a node's, a
+    list's or a tuple's children; None for anything else."""
+    if not isinstance(node, dict):
+        return None
+    if "dict" in node:
+        return list(node["dict"])
+    if "node" in node:
+        return list(node["children"])
+    if set(node) <= {"list", "tuple"} and node:
+        return list(enumerate(node[next(iter(node))]))
+    return None
+
+
+def _tree_difference(a: Any, b: Any) -> str:
     """Where two tree descriptions (`_description.describe`) first differ, in words ('' if they
     are equal)."""
+
+    def node_difference(x: Any, y: Any, xs: list, ys: list, _: Any) -> str | None:
+        same_kind = x.get("node", next(iter(x))) == y.get("node", next(iter(y)))
+        if not same_kind or [k for k, _ in xs] != [k for k, _ in ys]:
+            return "node"
+        # Children alike, the nodes not: they differ in a field of their own.
+        return "fields" if xs == ys and x != y else None
+
+    def leaf_difference(x: Any, y: Any, _: Any) -> str | None:
+        return None if x == y else "leaf"
+
     if a == b:
         return ""
-    here = f"'{path}'" if path else "the root"
-    both = isinstance(a, dict) and isinstance(b, dict)
-    children: list[tuple[Any, Any, Any]] | None = None
-    if both and "dict" in a and "dict" in b:
-        if [k for k, _ in a["dict"]] == [k for k, _ in b["dict"]]:
-            children = [(k, x, y) for (k, x), (_, y) in zip(a["dict"], b["dict"], strict=True)]
-    elif both and "node" in a and a.get("node") == b.get("node"):
-        if [k for k, _ in a["children"]] == [k for k, _ in b["children"]]:
-            pairs = zip(a["children"], b["children"], strict=True)
-            children = [(k, x, y) for (k, x), (_, y) in pairs]
-    elif both and set(a) == set(b) and set(a) <= {"list", "tuple"}:
-        kind = next(iter(a))
-        if len(a[kind]) == len(b[kind]):
-            children = [(k, x, y) for k, (x, y) in enumerate(zip(a[kind], b[kind], strict=True))]
-    if children is None:
-        return f"at {here}: {_node_text(a)} vs {_node_text(b)}"
-    for key, x, y in children:
-        found = _tree_difference(x, y, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return f"at {here}"
+    found = next(
+        _tree.differences(
+            a,
+            b,
+            children=_description_children,
+            node_difference=node_difference,
+            leaf_difference=leaf_difference,
+        ),
+        None,
+    )
+    if found is None:
+        return ""
+    keys, what, x, y = found
+    where = ".".join(str(k) for k in keys)
+    here = f"'{where}'" if where else "the root"
+    return f"at {here}" if what == "fields" else f"at {here}: {_node_text(x)} vs {_node_text(y)}"
