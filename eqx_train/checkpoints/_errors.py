@@ -5,7 +5,7 @@ byte sources under them) reports what is wrong with a file as
 `{path} is not a valid checkpoint: {why}.`, through `invalid`.
 
 Errors name the public call the user made (`restore_checkpoint: ...`). That name is set
-once, where the call crosses the API boundary (`@public_call("restore_checkpoint")`), and
+once, where the call crosses the API boundary (`with calling("restore_checkpoint"):`), and
 read where an error is built (`call()`); no layer below passes it on. Work handed to
 another thread runs in the caller's context through `in_context`.
 """
@@ -46,20 +46,6 @@ def calling(name: str) -> Iterator[None]:
     finally:
         if token is not None:
             _CALL.reset(token)
-
-
-def public_call(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """Decorates a public function: its errors, raised however deep, name `name`."""
-
-    def decorate(function: Callable[_P, _R]) -> Callable[_P, _R]:
-        @functools.wraps(function)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            with calling(name):
-                return function(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
 
 
 def in_context(function: Callable[_P, _R]) -> Callable[_P, _R]:

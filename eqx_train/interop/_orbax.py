@@ -87,11 +87,7 @@ class OrbaxReader:
         check_files(directory, self.bad)  # first: nothing is read through a link out of it
         found = parse_metadata(directory, self.bad)
         self.use_ocdbt, self.use_zarr3 = found.use_ocdbt, found.use_zarr3
-        self.fill_missing, self.leaves, self._by_name = (
-            found.fill_missing,
-            found.leaves,
-            found.by_name,
-        )
+        self.fill_missing, self.leaves = found.fill_missing, found.leaves
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:

@@ -112,7 +112,6 @@ class IndexReader(ReaderBase):
             )
         # Only the string entries are ours (total_size is a number; others are foreign).
         self.metadata: dict[str, str] = {k: v for k, v in metadata.items() if isinstance(v, str)}
-        self.total_size = metadata.get("total_size")
         token = self.metadata.get(HF_SAVE_KEY)
         shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self._where: dict[str, str] = {}
