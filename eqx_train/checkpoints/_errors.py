@@ -66,6 +66,10 @@ def in_context(function: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
+class ObjectReplacedError(FileNotFoundError):
+    """The version of a file being read is gone (overwritten or deleted meanwhile)."""
+
+
 class CheckpointFormatError(ValueError):
     """A file is not a readable eqx_train/safetensors checkpoint (truncated, corrupt, foreign,
     or its contents fail their checksums)."""

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .._errors import invalid
+from .._errors import ObjectReplacedError as ObjectReplacedError, invalid
 
 
 @dataclass(frozen=True)
@@ -319,10 +319,6 @@ class StorageBase:
 
     def abort_upload(self, directory: str, upload: Upload) -> None:
         """No uploads to abort."""
-
-
-class ObjectReplacedError(FileNotFoundError):
-    """The version of a file being read is gone (overwritten or deleted meanwhile)."""
 
 
 class BytesSink:
