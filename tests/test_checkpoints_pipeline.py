@@ -194,7 +194,7 @@ def test_an_upload_tried_again_rereads_the_snapshot(snapshot, monkeypatch):
     monkeypatch.setattr(
         _api._locations,
         "resolve",
-        lambda path, options=None, *, caller: (_fsspec.FsspecStorage("s3", fs), path),
+        lambda path, options=None: (_fsspec.FsspecStorage("s3", fs), path),
     )
     state = _device_state(leaves=3, leaf_mib=1 / 8)
     expected = _host_copy(state)
