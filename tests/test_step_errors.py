@@ -98,3 +98,16 @@ def test_the_manager_raises_typed_step_errors(tmp_path, where):
         manager.metrics(3)
     with pytest.raises(StepNotFoundError, match="usable 'loss' metric"):
         manager.restore(STATE, step="best")
+
+
+def test_a_missing_step_names_the_call_the_user_made(tmp_path):
+    """The restore stages are shared: the error names `restore_checkpoint` or the manager's
+    `restore`, whichever the user called, never the other."""
+    checkpoints.save_checkpoint(tmp_path, STATE, 5)
+    with pytest.raises(StepNotFoundError, match=r"^restore_checkpoint: no checkpoint for step 3"):
+        checkpoints.restore_checkpoint(tmp_path, STATE, step=3)
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(
+        StepNotFoundError, match=r"^CheckpointManager\.restore: no checkpoint for step 3"
+    ):
+        manager.restore(STATE, step=3)

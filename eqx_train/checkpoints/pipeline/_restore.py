@@ -56,7 +56,7 @@ def _resolve(
     if found.layout != "directory":
         if step is not None:
             raise ValueError(
-                f"restore_checkpoint: step={step!r} was given but {ckpt_dir} is a checkpoint, "
+                f"{call()}: step={step!r} was given but {ckpt_dir} is a checkpoint, "
                 "not a directory of checkpoints; pass the directory to choose a step."
             )
         return found, False
@@ -76,7 +76,7 @@ def _resolve(
         return found_step, True
     available = list({e.value: e.text for e in listing}.values())
     raise StepNotFoundError(
-        f"restore_checkpoint: no checkpoint for step {step} with prefix '{prefix}' in "
+        f"{call()}: no checkpoint for step {step} with prefix '{prefix}' in "
         f"{ckpt_dir}; available steps: {available}."
     )
 
@@ -87,7 +87,7 @@ def _refuse_two_layouts(store: Storage, directory: str, hf_path: str, prefix: st
     listing = _directory.list_checkpoints(store, directory, prefix)
     if listing:
         raise ValueError(
-            f"restore_checkpoint: {directory} holds both Hugging Face weights "
+            f"{call()}: {directory} holds both Hugging Face weights "
             f"({os.path.basename(hf_path)}) and checkpoints with prefix '{prefix}' (latest "
             f"{os.path.basename(listing[-1].path)}); pass the file or checkpoint to restore."
         )
