@@ -197,9 +197,7 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
                     check.update(chunk)
                 out.write(block)
             if check.hexdigest() != digests[t.name]:
-                raise RuntimeError(
-                    f"save_checkpoint: leaf '{t.name}' changed while it was being saved."
-                )
+                raise RuntimeError(f"{call()}: leaf '{t.name}' changed while it was being saved.")
 
 
 def _write_to_fd(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import in_context
+from .._errors import call, in_context
 from ..format import _format
 from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 
@@ -170,7 +170,7 @@ def host_arrays(
                 handle = None
                 if tuple(value.shape) != tensor.shape or np.dtype(value.dtype) != tensor.dtype:
                     raise RuntimeError(
-                        f"save_checkpoint: leaf '{tensor.name}' changed from "
+                        f"{call()}: leaf '{tensor.name}' changed from "
                         f"{tensor.dtype}{list(tensor.shape)} to {value.dtype}"
                         f"{list(value.shape)} while it was being saved."
                     )
