@@ -59,7 +59,6 @@ class OrbaxMetadata:
     use_zarr3: bool
     fill_missing: bool  # chunks equal to the fill value were not written
     leaves: list[Leaf]
-    by_name: dict[str, Leaf]
 
 
 def parse_metadata(path: str, bad: Callable[[str], CheckpointFormatError]) -> OrbaxMetadata:
@@ -114,12 +113,12 @@ def parse_metadata(path: str, bad: Callable[[str], CheckpointFormatError]) -> Or
             len(following.keys) > len(leaf.keys) and following.keys[: len(leaf.keys)] == leaf.keys
         )
     ]
-    names: dict[str, Leaf] = {}
+    names: set[str] = set()
     for leaf in kept:
         if leaf.name in names:
             raise bad_metadata(f"two leaves are both named {short(leaf.name)}")
-        names[leaf.name] = leaf
-    return OrbaxMetadata(use_ocdbt, use_zarr3, fill_missing, kept, names)
+        names.add(leaf.name)
+    return OrbaxMetadata(use_ocdbt, use_zarr3, fill_missing, kept)
 
 
 def _leaf(label: str, entry: Any, bad: Any) -> Leaf:
