@@ -15,7 +15,7 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointManager, UnreadableCheckpointWarning
 from eqx_train.checkpoints.pipeline import _directory
-from eqx_train.checkpoints.storage import _local
+from eqx_train.checkpoints.storage import _local, _local_files
 from tests.support.helpers import flip_last_byte
 from tests.test_docs_examples import DOCS, _blocks
 
@@ -224,7 +224,7 @@ def test_moving_aside_never_replaces_a_file_that_took_the_name_after_the_check(
     manager.close()
 
 
-@pytest.mark.skipif(_local._RENAMEAT2 is None, reason="renameat2 is Linux-only")
+@pytest.mark.skipif(_local_files._RENAMEAT2 is None, reason="renameat2 is Linux-only")
 def test_a_local_move_refuses_a_destination_that_appeared_after_any_check(tmp_path, monkeypatch):
     source, taken = tmp_path / "a", tmp_path / "b"
     source.write_bytes(b"a")
@@ -264,14 +264,14 @@ def test_a_local_move_without_rename_noreplace_still_refuses_an_existing_destina
     tmp_path, monkeypatch, kernel
 ):
     if kernel == "no renameat2":
-        monkeypatch.setattr(_local, "_RENAMEAT2", None)
+        monkeypatch.setattr(_local_files, "_RENAMEAT2", None)
     else:
 
         def renameat2(*args):
             ctypes.set_errno(errno.EINVAL)  # what such a file system answers
             return -1
 
-        monkeypatch.setattr(_local, "_RENAMEAT2", renameat2)
+        monkeypatch.setattr(_local_files, "_RENAMEAT2", renameat2)
     source, taken, free = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     source.write_bytes(b"a")
     taken.write_bytes(b"b")

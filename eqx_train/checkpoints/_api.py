@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import calling
+from .._calls import calling
 from .format import _names
 from .pipeline import _directory, _save
 from .pipeline._async import AsyncManager

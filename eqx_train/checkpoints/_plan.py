@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import StepNotFoundError, call, calling
+from .._calls import call, calling
+from ._errors import StepNotFoundError
 from .format import _layouts, _names
 from .pipeline import _matching, _restore, _selection, _transform
 from .pipeline._options import RestoreOptions

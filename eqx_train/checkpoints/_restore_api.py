@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
-from ._errors import calling
+from .._calls import calling
 from .format import _names
 from .pipeline import _matching, _restore, _selection, _transform
 from .pipeline._options import RestoreOptions

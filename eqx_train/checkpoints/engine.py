@@ -7,12 +7,9 @@ place so that they never reach into a private module. Users want `eqx_train.chec
 Importing this module does not import JAX (the command line starts without it).
 """
 
-from ._errors import (
-    CheckpointFormatError as CheckpointFormatError,
-    call as call,
-    calling as calling,
-    short as short,
-)
+from .._calls import call as call, calling as calling
+from .._text import short as short
+from ._errors import CheckpointFormatError as CheckpointFormatError
 from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
 from .format._checksums import text_digest as text_digest
 from .format._description import (
@@ -72,8 +69,5 @@ from .pipeline._matching import Casting as Casting, Rename as Rename
 from .pipeline._restore import Reader as Reader, restore_from as restore_from
 from .pipeline._transfer import write_file as write_file
 from .pipeline._transform import Transform as Transform
-from .storage._local import (
-    LocalSource as LocalSource,
-    LocalStorage as LocalStorage,
-    fsync_dir as fsync_dir,
-)
+from .storage._local import LocalStorage as LocalStorage
+from .storage._local_files import LocalSource as LocalSource, fsync_dir as fsync_dir

@@ -24,9 +24,11 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
+from ..._calls import call
+from ..._text import short
 from ..._tree import is_state, path_to_name, state_entries
-from .._errors import call, short
 from ._json import parse_json as parse_json
+from ._keys import RESERVED_TENSOR_NAMES
 from ._leaf_kinds import (
     CODE_TO_DTYPE as CODE_TO_DTYPE,
     DTYPE_TO_CODE as DTYPE_TO_CODE,
@@ -41,7 +43,6 @@ from ._leaf_kinds import (
     key_impl as key_impl,
     kind_of as kind_of,
 )
-from ._names import RESERVED_TENSOR_NAMES
 
 # --------------------------------------------------------------------------------------------
 # Tree description: pytree <-> JSON.

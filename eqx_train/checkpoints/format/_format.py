@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import call
-from ..storage._local import start_writeback
+from ..._calls import call
+from ..storage._local_files import start_writeback
 from . import _header_codes
 from ._checksums import checksum, chunks, hasher, text_digest
 from ._header_codes import (

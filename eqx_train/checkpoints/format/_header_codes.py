@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointFormatError, short
+from ..._text import short
+from .._errors import CheckpointFormatError
 from ._json import parse_json
+from ._keys import COMPLEX128_KEY, FORMAT_VERSION, FORMAT_VERSION_KEY, PLAIN_FORMAT_VERSION
 from ._leaf_kinds import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor
-from ._names import COMPLEX128_KEY, FORMAT_VERSION, FORMAT_VERSION_KEY, PLAIN_FORMAT_VERSION
 
 # A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
 # Python objects, so the cap is what bounds a hostile file's memory.

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointFormatError, invalid, short
+from ..._text import short
+from .._errors import CheckpointFormatError, invalid
 from ..storage._base import Storage
-from ..storage._local import LocalStorage
 from ._checksums import text_digest
 from ._description import parse_json
 from ._names import HF_INDEX_NAME, HF_SAVE_KEY, HF_TREE_CHECKSUM_KEY, TREE_KEY
@@ -56,15 +56,13 @@ class IndexReader(ReaderBase):
     **Arguments:**
 
     - `directory`: the directory that holds the index and its shards.
+    - `store`: where the directory is (`LocalStorage()` for the local disk).
     - `index_name`: the index's file name in it.
-    - `store`: where the directory is (the local disk by default).
     """
 
-    def __init__(
-        self, directory: str, index_name: str = HF_INDEX_NAME, store: Storage | None = None
-    ):
+    def __init__(self, directory: str, store: Storage, index_name: str = HF_INDEX_NAME):
         self.path = directory
-        self.store: Storage = LocalStorage() if store is None else store
+        self.store = store
         self.index_path = self.store.join(directory, index_name)
         self._files: dict[str, FileReader] = {}
         try:

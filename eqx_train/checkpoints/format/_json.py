@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import short
+from ..._text import short
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -21,12 +21,12 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..._text import short
 from .._errors import (
     TORCH_HOW as _TORCH_HOW,
     CheckpointFormatError,
     Foreign as Foreign,
     ForeignCheckpointError as ForeignCheckpointError,
-    short,
 )
 from ..storage._base import Storage
 from ..storage._local import LocalStorage
@@ -158,7 +158,7 @@ def _open_file(store: Storage, path: str) -> Reader:
 def _open_hf(store: Storage, path: str) -> Reader:
     if path.endswith(".json"):
         directory, name = _split(path)
-        return IndexReader(directory, name, store)
+        return IndexReader(directory, store, name)
     return _open_file(store, path)
 
 

@@ -27,8 +27,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
 
+from ..._calls import call
+from ..._text import short
 from ..._tree import as_weak, place_like
-from .._errors import call, short
 
 MAX_DEPTH = 200  # nesting of a tree description; deeper trees are refused when saving too
 

@@ -20,8 +20,8 @@ else:
 
     jtu = LazyModule("jax.tree_util")
 
+from ..._calls import call
 from ..._tree import flatten_with_names, is_state, path_to_name
-from .._errors import call
 
 
 def leaf_names(target: Any, available: Mapping[str, Any], path: str) -> list[str]:

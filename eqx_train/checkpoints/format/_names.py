@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from .._errors import call
+from ..._calls import call
 
 # The names of what a storage writes before it is visible (temporaries, upload markers).
 from ..storage._temp import (
@@ -44,52 +44,42 @@ from ..storage._temp import (
     writer_id as writer_id,
 )
 
+# The names inside a file's header, beside the names of files.
+from ._keys import (
+    ARRAYS_KEY as ARRAYS_KEY,
+    CHECKSUM_ALGORITHM as CHECKSUM_ALGORITHM,
+    CHECKSUMS_KEY as CHECKSUMS_KEY,
+    COMPLEX128_KEY as COMPLEX128_KEY,
+    FORMAT_KEY as FORMAT_KEY,
+    FORMAT_NAME as FORMAT_NAME,
+    FORMAT_VERSION as FORMAT_VERSION,
+    FORMAT_VERSION_KEY as FORMAT_VERSION_KEY,
+    HF_FORMAT_KEY as HF_FORMAT_KEY,
+    HF_FORMAT_PT as HF_FORMAT_PT,
+    HF_INDEX_FORMAT as HF_INDEX_FORMAT,
+    HF_INDEX_NAME as HF_INDEX_NAME,
+    HF_SAVE_KEY as HF_SAVE_KEY,
+    HF_SHARD_PATTERN as HF_SHARD_PATTERN,
+    HF_SINGLE_NAME as HF_SINGLE_NAME,
+    HF_TREE_CHECKSUM_KEY as HF_TREE_CHECKSUM_KEY,
+    METADATA_KEY as METADATA_KEY,
+    METRICS_KEY as METRICS_KEY,
+    OUR_KEY_PREFIX as OUR_KEY_PREFIX,
+    PIECES_KEY as PIECES_KEY,
+    PLAIN_FORMAT_VERSION as PLAIN_FORMAT_VERSION,
+    PROCESS_KEY as PROCESS_KEY,
+    RESERVED_TENSOR_NAMES as RESERVED_TENSOR_NAMES,
+    SAVE_KEY as SAVE_KEY,
+    STEP_KEY as STEP_KEY,
+    TREE_KEY as TREE_KEY,
+    USER_METADATA_KEY as USER_METADATA_KEY,
+)
+
 SUFFIX = ".safetensors"
 SHARDED_SUFFIX = ".shards"
 INDEX_NAME = "index.safetensors"
 QUARANTINE_MARK = "corrupt-"  # a checkpoint skipped as unreadable: `quarantine_name`
 MAX_NAME_BYTES = 200  # file systems allow 255; leave room for the temporary-name decoration
-
-# ------------------------------------------------------------------ inside a file's header
-
-METADATA_KEY = "__metadata__"  # the safetensors header entry that holds string metadata
-RESERVED_TENSOR_NAMES = frozenset({METADATA_KEY})
-FORMAT_KEY = "eqx_train.format"
-FORMAT_VERSION_KEY = "eqx_train.format_version"
-FORMAT_NAME = "eqx_train.checkpoint"  # FORMAT_KEY of a checkpoint file or `.shards` index
-# The newest format version this eqx_train reads. Version 2 is version 1 plus complex
-# tensors (C64, and complex128 as F64 pairs listed under `COMPLEX128_KEY`): only files and
-# indexes that hold one are written as 2, so that an eqx_train reading version 1 only refuses
-# them as newer (instead of returning float64 pairs, or moving them aside as corrupt); every
-# other file is written as version 1, which every release reads.
-FORMAT_VERSION = 2
-PLAIN_FORMAT_VERSION = 1
-STEP_KEY = "eqx_train.step"
-TREE_KEY = "eqx_train.tree"
-CHECKSUMS_KEY = "eqx_train.checksums"
-CHECKSUM_ALGORITHM = "xxh3_64"
-# The tensors a header stores as F64 with a trailing axis of 2 that are complex128 (a JSON
-# list of names; absent when there are none): safetensors has no complex128 code.
-COMPLEX128_KEY = "eqx_train.complex128"
-ARRAYS_KEY = "eqx_train.arrays"  # a .shards index: every array's shape, dtype and pieces
-PIECES_KEY = "eqx_train.pieces"  # a piece file: each of its tensors' leaf and slice
-# The save's token, in every file of one save: a .shards index and each of its piece files
-# (which also holds PROCESS_KEY, the process that wrote it), a Hugging Face save's files.
-SAVE_KEY = "eqx_train.save"
-PROCESS_KEY = "eqx_train.process"  # a piece file: its writer's process index, ASCII digits
-METRICS_KEY = "eqx_train.metrics"  # CheckpointManager.save(metrics=...)
-USER_METADATA_KEY = "eqx_train.user_metadata"  # CheckpointManager.save(metadata=...)
-OUR_KEY_PREFIX = "eqx_train."  # every key above but METADATA_KEY; others are foreign
-
-# The Hugging Face layout.
-HF_SINGLE_NAME = "model.safetensors"
-HF_INDEX_NAME = "model.safetensors.index.json"
-HF_SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
-HF_FORMAT_KEY = "format"  # transformers requires "pt" in every file's metadata
-HF_FORMAT_PT = "pt"
-HF_INDEX_FORMAT = "eqx_train.hf_sharded"  # FORMAT_KEY of a Hugging Face index of ours
-HF_SAVE_KEY = SAVE_KEY  # the save token every shard of one save repeats
-HF_TREE_CHECKSUM_KEY = "eqx_train.tree_checksum"
 
 
 def hf_shard_names(count: int) -> list[str]:

@@ -38,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointFormatError, NewerFormatError, invalid, short
+from ..._text import short
+from .._errors import CheckpointFormatError, NewerFormatError, invalid
 from ..storage._base import Source
-from ..storage._local import LocalStorage
+from ..storage._local_files import LocalSource
 from . import _header_codes
 from ._checksums import text_digest, verify_bytes
 from ._description import DTYPE_TO_CODE, Arrays, parse_description, parse_json
@@ -157,7 +158,7 @@ class FileReader(ReaderBase):
     def __init__(self, path: str, source: Source | None = None):
         self.path = path
         if source is None:
-            source = LocalStorage().open(path)
+            source = LocalSource(path, invalid(path))
         self.source = source
         try:
             self._parse()

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import short
+from ..._text import short
 from ..storage._base import Storage
 from ._json import parse_json
 from ._leaf_kinds import CODE_TO_DTYPE

@@ -13,13 +13,12 @@ from typing import Any, TypeVar
 
 import jax
 
+from ..._calls import call, outside_stacklevel
 from .._errors import (
     UNREADABLE_ERRNOS,
     CheckpointFormatError,
     NewerFormatError,
     UnreadableCheckpointWarning,
-    call,
-    outside_stacklevel,
 )
 from ..format import _names
 from ..pipeline import _coordination, _directory

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 import jax
 from jax.typing import ArrayLike
 
-from .._errors import calling, in_context
+from ..._calls import calling, in_context
 from ..format import _names
 from ..format._names import (
     METRICS_KEY as _METRICS_KEY,

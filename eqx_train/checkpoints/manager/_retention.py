@@ -16,15 +16,12 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 from jax.typing import ArrayLike
 
+from ..._calls import call, calling, in_context, outside_stacklevel
 from .._errors import (
     UNREADABLE_ERRNOS,
     NewerFormatError,
     StepNotFoundError,
     UnreadableCheckpointWarning,
-    call,
-    calling,
-    in_context,
-    outside_stacklevel,
 )
 from ..format import _names
 from ..format._names import (

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from .._errors import calling
+from ..._calls import calling
 from ..format import _names
 from ..pipeline import _coordination
 from . import _preemption

@@ -66,7 +66,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from .._errors import call
+from ..._calls import call
 
 _LOCK = threading.Lock()
 _COUNTERS: dict[str, int] = {}

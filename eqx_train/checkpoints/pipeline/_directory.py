@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from .._errors import StepExistsError, call
+from ..._calls import call
+from .._errors import StepExistsError
 from ..format import _names, _shards
 from ..storage._base import Storage
 

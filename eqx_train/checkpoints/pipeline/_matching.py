@@ -28,11 +28,8 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import (
-    PartialRestoreWarning as PartialRestoreWarning,
-    call,
-    outside_stacklevel,
-)
+from ..._calls import call, outside_stacklevel
+from .._errors import PartialRestoreWarning as PartialRestoreWarning
 from ..format._description import LeafKind, key_impl, key_impls, kind_of
 from ..format._leaf_names import leaf_names
 from . import _selection, _transform

@@ -28,7 +28,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from .._errors import call
+from ..._calls import call
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
 from ..format._reader import FileReader

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._errors import call
+from ..._calls import call
 from ..format import _names
 from . import _selection, _transform, _window
 from ._rename import Rename

@@ -44,7 +44,8 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from .._errors import CheckpointFormatError, call
+from ..._calls import call
+from .._errors import CheckpointFormatError
 from ..format import _runs
 from . import _coordination
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..._calls import call
 from ..._tree import path_to_name
-from .._errors import call
 
 Rename = Mapping[str, str] | Callable[[str], str | None] | None
 _LISTED_NAMES = 5  # names a message shows of a list before a count

@@ -30,7 +30,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import CheckpointFormatError, StepNotFoundError, call, invalid, short
+from ..._calls import call
+from ..._text import short
+from .._errors import CheckpointFormatError, StepNotFoundError, invalid
 from ..format import _names
 from ..format._description import LeafKind, rebuild
 from ..format._layouts import Location, Reader as Reader, foreign_directory, locate, open_reader

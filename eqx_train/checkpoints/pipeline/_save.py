@@ -31,7 +31,8 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
-from .._errors import StepExistsError, call, in_context
+from ..._calls import call, in_context
+from .._errors import StepExistsError
 from ..format import _description, _format, _names
 from ..storage import _locations
 from ..storage._base import Storage

@@ -21,11 +21,8 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
-from .._errors import (
-    ConfigMismatchWarning as ConfigMismatchWarning,
-    call,
-    outside_stacklevel,
-)
+from ..._calls import call, outside_stacklevel
+from .._errors import ConfigMismatchWarning as ConfigMismatchWarning
 
 Config = Literal["target", "saved"]
 CONFIG_CHOICES = ("target", "saved")

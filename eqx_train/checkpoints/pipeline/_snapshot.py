@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import call
+from ..._calls import call
 from . import _transfer
 from ._options import SNAPSHOT_MODES as SNAPSHOT_MODES, SnapshotMode as SnapshotMode
 from ._window import current_window

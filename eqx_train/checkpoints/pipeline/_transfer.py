@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import call, in_context
+from ..._calls import call, in_context
 from ..format import _format
 from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 

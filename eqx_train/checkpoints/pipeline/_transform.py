@@ -26,7 +26,8 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jnp = LazyModule("jax.numpy")
 
-from .._errors import call, short
+from ..._calls import call
+from ..._text import short
 
 Transform = Mapping[str, Callable[[Any], Any]] | Callable[[str, Any], Any] | None
 Shape = tuple[int, ...]

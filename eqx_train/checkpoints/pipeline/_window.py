@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import call
+from ..._calls import call
 from ..format._timing import (
     add_stage as add_stage,
     stage as stage,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import call
+from ..._calls import call
 from . import _registry, _s3
 from ._base import Storage
 from ._fsspec import DEFAULT_DEADLINE_S, FsspecStorage

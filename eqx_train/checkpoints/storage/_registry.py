@@ -10,7 +10,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import call, short
+from ..._calls import call
+from ..._text import short
 from ._base import Storage
 from ._urls import plain_location
 

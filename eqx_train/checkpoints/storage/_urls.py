@@ -3,7 +3,7 @@ rewrite (checked before any storage is built, whichever backend serves the schem
 
 from __future__ import annotations
 
-from .._errors import call
+from ..._calls import call
 
 
 def is_url(path: str) -> bool:

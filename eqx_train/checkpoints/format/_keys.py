@@ -1,0 +1,49 @@
+"""The names inside a checkpoint file: the safetensors header's `__metadata__` keys and the
+format markers (`*_KEY`, `FORMAT_*`, `HF_*`); see docs/checkpoint_format.md.
+
+They stand apart from the names of files (`_names`, which re-exports them) because the
+header codecs below the readers need them and nothing else: this module imports nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+METADATA_KEY = "__metadata__"  # the safetensors header entry that holds string metadata
+RESERVED_TENSOR_NAMES = frozenset({METADATA_KEY})
+FORMAT_KEY = "eqx_train.format"
+FORMAT_VERSION_KEY = "eqx_train.format_version"
+FORMAT_NAME = "eqx_train.checkpoint"  # FORMAT_KEY of a checkpoint file or `.shards` index
+# The newest format version this eqx_train reads. Version 2 is version 1 plus complex
+# tensors (C64, and complex128 as F64 pairs listed under `COMPLEX128_KEY`): only files and
+# indexes that hold one are written as 2, so that an eqx_train reading version 1 only refuses
+# them as newer (instead of returning float64 pairs, or moving them aside as corrupt); every
+# other file is written as version 1, which every release reads.
+FORMAT_VERSION = 2
+PLAIN_FORMAT_VERSION = 1
+STEP_KEY = "eqx_train.step"
+TREE_KEY = "eqx_train.tree"
+CHECKSUMS_KEY = "eqx_train.checksums"
+CHECKSUM_ALGORITHM = "xxh3_64"
+# The tensors a header stores as F64 with a trailing axis of 2 that are complex128 (a JSON
+# list of names; absent when there are none): safetensors has no complex128 code.
+COMPLEX128_KEY = "eqx_train.complex128"
+ARRAYS_KEY = "eqx_train.arrays"  # a .shards index: every array's shape, dtype and pieces
+PIECES_KEY = "eqx_train.pieces"  # a piece file: each of its tensors' leaf and slice
+# The save's token, in every file of one save: a .shards index and each of its piece files
+# (which also holds PROCESS_KEY, the process that wrote it), a Hugging Face save's files.
+SAVE_KEY = "eqx_train.save"
+PROCESS_KEY = "eqx_train.process"  # a piece file: its writer's process index, ASCII digits
+METRICS_KEY = "eqx_train.metrics"  # CheckpointManager.save(metrics=...)
+USER_METADATA_KEY = "eqx_train.user_metadata"  # CheckpointManager.save(metadata=...)
+OUR_KEY_PREFIX = "eqx_train."  # every key above but METADATA_KEY; others are foreign
+
+# The Hugging Face layout.
+HF_SINGLE_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
+HF_SHARD_PATTERN = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+HF_FORMAT_KEY = "format"  # transformers requires "pt" in every file's metadata
+HF_FORMAT_PT = "pt"
+HF_INDEX_FORMAT = "eqx_train.hf_sharded"  # FORMAT_KEY of a Hugging Face index of ours
+HF_SAVE_KEY = SAVE_KEY  # the save token every shard of one save repeats
+HF_TREE_CHECKSUM_KEY = "eqx_train.tree_checksum"
