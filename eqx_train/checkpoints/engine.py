@@ -7,10 +7,14 @@ place so that they never reach into a private module. Users want `eqx_train.chec
 Importing this module does not import JAX (the command line starts without it).
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 from .._calls import call as call, calling as calling
 from .._text import short as short
 from ._errors import CheckpointFormatError as CheckpointFormatError
 from ._options import RestoreOptions as RestoreOptions, restore_with as restore_with
+from .format import _format
 from .format._checksums import text_digest as text_digest
 from .format._description import (
     MAX_DEPTH as MAX_DEPTH,
@@ -61,13 +65,18 @@ from .format._reader import (
     aligned_empty as aligned_empty,
     too_big as too_big,
 )
-from .pipeline._directory import (
-    list_checkpoints as list_checkpoints,
-    remove_paths as remove_paths,
-)
+from .format._shards import remove_paths as remove_paths
+from .pipeline._directory import list_checkpoints as list_checkpoints
 from .pipeline._matching import Casting as Casting, Rename as Rename
 from .pipeline._restore import Reader as Reader, restore_from as restore_from
-from .pipeline._transfer import write_file as write_file
+from .pipeline._transfer import through_window
 from .pipeline._transform import Transform as Transform
 from .storage._local import LocalStorage as LocalStorage
 from .storage._local_files import LocalSource as LocalSource, fsync_dir as fsync_dir
+
+
+def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
+    """`_format.write_file`, its leaves moved to the host by `_transfer.host_arrays` within
+    the current window: the writer of a save outside the save pipeline (`save_sharded`)."""
+    with _format.leaves_from(through_window):
+        _format.write_file(out, tensors, metadata)

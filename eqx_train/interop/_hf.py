@@ -214,7 +214,7 @@ def _uncommit_foreign_index(directory: str, names: Sequence[str]) -> None:
     if not any(os.path.lexists(os.path.join(directory, name)) for name in names):
         return
     try:
-        with engine.IndexReader(directory, _LOCAL) as reader:
+        with engine.IndexReader(directory, _LOCAL, engine.FileReader) as reader:
             if reader.metadata.get(HF_SAVE_KEY):
                 return
     except (OSError, ValueError):

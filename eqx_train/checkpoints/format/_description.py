@@ -27,8 +27,9 @@ else:  # imported on first use: the command line reads headers without JAX
 from ..._calls import call
 from ..._text import short
 from ..._tree import is_state, path_to_name, state_entries
+from .._errors import CheckpointFormatError, invalid
 from ._json import parse_json as parse_json
-from ._keys import RESERVED_TENSOR_NAMES
+from ._keys import RESERVED_TENSOR_NAMES, TREE_KEY
 from ._leaf_kinds import (
     CODE_TO_DTYPE as CODE_TO_DTYPE,
     DTYPE_TO_CODE as DTYPE_TO_CODE,
@@ -330,3 +331,49 @@ def rebuild(description: Any, load: Callable[[str], np.ndarray]) -> Any:
         return {key: visit(child) for key, child in d["children"]}
 
     return visit(description)
+
+
+# How a layout of several files (a `.shards` index and its pieces, a Hugging Face index and
+# its shards) opens each of them: `_reader.FileReader`, handed down by the layout registry
+# (`_layouts`), so that these layouts sit beside the one-file reader rather than above it.
+OpenFile = Callable[[str, Any], Any]
+
+
+class ReaderBase:
+    """What every checkpoint reader shares (the file, `.shards` and Hugging Face readers of
+    `_layouts.Reader`): the tree description in its metadata, parsed and validated against
+    its tensors once, its errors, and use as a context manager."""
+
+    path: str
+    metadata: dict[str, str]
+    _description: Any = None
+
+    def bad(self, why: str) -> CheckpointFormatError:
+        return invalid(self.path)(why)
+
+    def arrays(self) -> Arrays:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def has_description(self) -> bool:
+        """False for a checkpoint written by another tool (no tree description)."""
+        return TREE_KEY in self.metadata
+
+    def tree_text(self) -> str:
+        """The tree description as stored (a reader may check it first)."""
+        return self.metadata[TREE_KEY]
+
+    def description(self) -> Any:
+        """The tree description, validated against `arrays()` (parsed on the first call)."""
+        if self._description is None:
+            self._description = parse_description(self.tree_text(), self.arrays(), self.bad)
+        return self._description

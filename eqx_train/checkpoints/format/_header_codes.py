@@ -19,13 +19,18 @@ import numpy as np
 from ..._text import short
 from .._errors import CheckpointFormatError
 from ._json import parse_json
-from ._keys import COMPLEX128_KEY, FORMAT_VERSION, FORMAT_VERSION_KEY, PLAIN_FORMAT_VERSION
+from ._keys import (
+    ALIGN_FOR_DEVICE as ALIGN_FOR_DEVICE,
+    COMPLEX128_KEY,
+    FORMAT_VERSION,
+    FORMAT_VERSION_KEY,
+    PLAIN_FORMAT_VERSION,
+)
 from ._leaf_kinds import CODE_TO_DTYPE, DTYPE_TO_CODE, Tensor
 
 # A header this big already describes ~100k tensors; parsing JSON costs ~10-30x its size in
 # Python objects, so the cap is what bounds a hostile file's memory.
 MAX_HEADER_BYTES = 32 * 1024 * 1024
-ALIGN_FOR_DEVICE = 64
 
 
 def as_bytes(array: np.ndarray) -> memoryview:

@@ -28,9 +28,8 @@ from ..._text import short
 from .._errors import CheckpointFormatError, invalid
 from ..storage._base import Storage
 from ._checksums import text_digest
-from ._description import parse_json
+from ._description import OpenFile, ReaderBase, parse_json
 from ._names import HF_INDEX_NAME, HF_SAVE_KEY, HF_TREE_CHECKSUM_KEY, TREE_KEY
-from ._reader import FileReader, ReaderBase
 
 _MAX_INDEX_BYTES = 64 << 20
 
@@ -57,14 +56,18 @@ class IndexReader(ReaderBase):
 
     - `directory`: the directory that holds the index and its shards.
     - `store`: where the directory is (`LocalStorage()` for the local disk).
+    - `open_file`: how each file is opened: `FileReader`.
     - `index_name`: the index's file name in it.
     """
 
-    def __init__(self, directory: str, store: Storage, index_name: str = HF_INDEX_NAME):
+    def __init__(
+        self, directory: str, store: Storage, open_file: OpenFile, index_name: str = HF_INDEX_NAME
+    ):
         self.path = directory
         self.store = store
+        self._open = open_file
         self.index_path = self.store.join(directory, index_name)
-        self._files: dict[str, FileReader] = {}
+        self._files: dict[str, Any] = {}
         try:
             self._load()
         except BaseException:
@@ -116,7 +119,7 @@ class IndexReader(ReaderBase):
         for file, names in by_file.items():
             path = self.store.join(self.path, file)
             try:
-                reader = FileReader(path, self.store.open(path))
+                reader = self._open(path, self.store.open(path))
             except FileNotFoundError:
                 raise self.bad(f"it maps tensors to {file}, which is missing") from None
             self._files[file] = reader
@@ -143,7 +146,7 @@ class IndexReader(ReaderBase):
         for reader in self._files.values():
             reader.close()
 
-    def files(self) -> dict[str, FileReader]:
+    def files(self) -> dict[str, Any]:
         """The open shard readers, by path, in the index's order."""
         return {self.store.join(self.path, name): reader for name, reader in self._files.items()}
 

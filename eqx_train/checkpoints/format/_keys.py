@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 
+# Every tensor's data starts on this boundary in the file (and host buffers on it in memory),
+# so that a device can adopt a buffer read from it without a copy.
+ALIGN_FOR_DEVICE = 64
 METADATA_KEY = "__metadata__"  # the safetensors header entry that holds string metadata
 RESERVED_TENSOR_NAMES = frozenset({METADATA_KEY})
 FORMAT_KEY = "eqx_train.format"

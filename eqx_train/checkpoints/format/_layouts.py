@@ -158,13 +158,17 @@ def _open_file(store: Storage, path: str) -> Reader:
 def _open_hf(store: Storage, path: str) -> Reader:
     if path.endswith(".json"):
         directory, name = _split(path)
-        return IndexReader(directory, store, name)
+        return IndexReader(directory, store, FileReader, name)
     return _open_file(store, path)
+
+
+def _open_shards(store: Storage, path: str) -> Reader:
+    return ShardedReader(store, path, FileReader)
 
 
 OPENERS: dict[str, Opener] = {
     "file": _open_file,
-    "shards": ShardedReader,
+    "shards": _open_shards,
     "hf": _open_hf,
 }
 

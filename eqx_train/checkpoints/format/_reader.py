@@ -39,13 +39,19 @@ from typing import Any
 import numpy as np
 
 from ..._text import short
-from .._errors import CheckpointFormatError, NewerFormatError, invalid
+from .._errors import NewerFormatError, invalid
 from ..storage._base import Source
 from ..storage._local_files import LocalSource
 from . import _header_codes
+from ._arrays import (
+    MAX_NDIM as MAX_NDIM,
+    aligned_empty as aligned_empty,
+    normalize_index as normalize_index,
+    too_big as too_big,
+)
 from ._checksums import text_digest, verify_bytes
-from ._description import DTYPE_TO_CODE, Arrays, parse_description, parse_json
-from ._header_codes import ALIGN_FOR_DEVICE, MAX_HEADER_BYTES, as_bytes
+from ._description import DTYPE_TO_CODE, ReaderBase as ReaderBase, parse_json
+from ._header_codes import MAX_HEADER_BYTES, as_bytes
 from ._names import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS_KEY,
@@ -57,7 +63,6 @@ from ._names import (
 )
 from ._timing import add_stage, stage, timing
 
-MAX_NDIM = 64
 _MIN_BYTES_PER_CONTAINER = 8
 _PARALLEL_MIN_BYTES = 16 << 20
 _FIRST_READ = 16 << 10  # the first request reads the length field and most headers
@@ -81,70 +86,8 @@ class TensorInfo:
         return DTYPE_TO_CODE[self.dtype]
 
 
-def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
-    """`index` with explicit, clipped bounds in every dimension (a sharding's slices use None)."""
-    if len(index) != len(shape):
-        raise ValueError(f"index {short(index)} does not match a tensor of shape {list(shape)}")
-    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
-
-
-def too_big(shape: Sequence[int], itemsize: int) -> bool:
-    """Whether NumPy would refuse to make an array of this shape even when it is empty (it
-    bounds the product of the dimensions counted as at least 1, in bytes)."""
-    return math.prod(max(d, 1) for d in shape) * max(itemsize, 1) >= 2**62
-
-
-def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary: XLA's CPU client then
-    adopts it without a copy when it is placed on a device (`jax.device_put`)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN_FOR_DEVICE, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN_FOR_DEVICE
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
 def _is_count(x: Any) -> bool:
     return type(x) is int and x >= 0
-
-
-class ReaderBase:
-    """What every checkpoint reader shares (the file, `.shards` and Hugging Face readers of
-    `_layouts.Reader`): the tree description in its metadata, parsed and validated against
-    its tensors once, its errors, and use as a context manager."""
-
-    path: str
-    metadata: dict[str, str]
-    _description: Any = None
-
-    def bad(self, why: str) -> CheckpointFormatError:
-        return invalid(self.path)(why)
-
-    def arrays(self) -> Arrays:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def has_description(self) -> bool:
-        """False for a checkpoint written by another tool (no tree description)."""
-        return TREE_KEY in self.metadata
-
-    def tree_text(self) -> str:
-        """The tree description as stored (a reader may check it first)."""
-        return self.metadata[TREE_KEY]
-
-    def description(self) -> Any:
-        """The tree description, validated against `arrays()` (parsed on the first call)."""
-        if self._description is None:
-            self._description = parse_description(self.tree_text(), self.arrays(), self.bad)
-        return self._description
 
 
 class FileReader(ReaderBase):

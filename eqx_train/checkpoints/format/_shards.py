@@ -1,6 +1,7 @@
 """The `.shards` layout of a multi-process checkpoint: its index, validated whole before
 anything is trusted, the reader that assembles any block of an array from the pieces, and
-which piece files an index cites (for retention and cleanup).
+which piece files an index cites, and removing those that may go (for retention,
+cleanup and an overwrite).
 
 Layout (see docs/checkpoint_format.md; the names are `_names`'):
 
@@ -25,27 +26,45 @@ import numpy as np
 
 from ..._text import short
 from ..storage._base import Storage
+from ._arrays import MAX_NDIM, aligned_empty, normalize_index
+from ._description import OpenFile, ReaderBase
 from ._json import parse_json
 from ._leaf_kinds import CODE_TO_DTYPE
 from ._names import ARRAYS_KEY, INDEX_NAME, PIECES_KEY, PROCESS_KEY, SAVE_KEY, parse_piece_file
-from ._reader import MAX_NDIM, FileReader, ReaderBase, aligned_empty, normalize_index
 from ._runs import split_axis as split_axis, split_bounds as split_bounds
 
 _MAX_PIECES = 1 << 20
 
 
-def referenced_pieces(store: Storage, path: str) -> set[str] | None:
-    """The piece files a committed `.shards` directory's index cites; None if it has no
-    index; every name in the directory if the index cannot be read (then nothing goes)."""
+def referenced_pieces(store: Storage, path: str, open_file: OpenFile) -> set[str] | None:
+    """The piece files a committed `.shards` directory's index cites (read with
+    `open_file`); None if it has no index; every name in the directory if the index cannot
+    be read (then nothing goes)."""
     index = store.join(path, INDEX_NAME)
     try:
-        with FileReader(index, store.open(index)) as reader:
+        with open_file(index, store.open(index)) as reader:
             arrays = json.loads(reader.metadata[ARRAYS_KEY])
         return {piece["file"] for entry in arrays.values() for piece in entry["pieces"]}
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {item.name for item in store.list(path)}
+
+
+def remove_paths(store: Storage, paths: list[str]) -> None:
+    for path in paths:
+        store.remove(path)
+
+
+def remove_if_uncommitted_and_empty(store: Storage, path: str) -> None:
+    if not store.exists(store.join(path, INDEX_NAME)):
+        store.remove_dir_if_empty(path)
+
+
+def remove_replaced_pieces(store: Storage, path: str, replaced: set[str], keep: set[str]) -> None:
+    """After process 0 commits an overwrite: the pieces the replaced index cited go, and no
+    others (a concurrent save's pieces belong to it)."""
+    remove_paths(store, [store.join(path, name) for name in sorted(replaced - keep)])
 
 
 def validate_arrays(raw: Any, bad: Callable[[str], Exception]) -> dict[str, dict[str, Any]]:
@@ -139,12 +158,13 @@ class ShardedReader(ReaderBase):
     # the pieces it overlaps (the restore asks a reader for this, not for its class).
     reads_blocks = True
 
-    def __init__(self, store: Storage, directory: str):
+    def __init__(self, store: Storage, directory: str, open_file: OpenFile):
         self.path = directory
         self.store = store
+        self._open = open_file
         index = store.join(directory, INDEX_NAME)
-        self.index = FileReader(index, store.open(index))
-        self._files: dict[str, FileReader] = {}
+        self.index = open_file(index, store.open(index))
+        self._files: dict[str, Any] = {}
         self._records: dict[str, dict[str, Any]] = {}
         self._checked: set[tuple[str, str]] = set()
         try:
@@ -175,7 +195,7 @@ class ShardedReader(ReaderBase):
         self._cache: dict[tuple[str, str], np.ndarray] = {}
         self._cached_for: str | None = None
 
-    def _piece(self, name: str, piece: dict[str, Any]) -> FileReader:
+    def _piece(self, name: str, piece: dict[str, Any]) -> Any:
         """The open piece file of `piece` (of array `name`), checked once against the index:
         the piece file's own record of the piece must match."""
         reader = self._file(piece["file"])
@@ -202,11 +222,11 @@ class ShardedReader(ReaderBase):
         now = self.store.identity(self.store.join(self.path, INDEX_NAME))
         return now != self.index.source.identity
 
-    def _file(self, name: str) -> FileReader:
+    def _file(self, name: str) -> Any:
         if name not in self._files:
             path = self.store.join(self.path, name)
             try:
-                reader = FileReader(path, self.store.open(path))
+                reader = self._open(path, self.store.open(path))
             except FileNotFoundError:
                 if self._index_replaced():
                     raise  # an overwrite or retention came after we opened the index: retry
@@ -219,7 +239,7 @@ class ShardedReader(ReaderBase):
             self._files[name] = reader
         return self._files[name]
 
-    def _check_bound(self, name: str, reader: FileReader) -> None:
+    def _check_bound(self, name: str, reader: Any) -> None:
         """Refuses a piece file that another save (or another process of this save) wrote,
         copied under the name the index cites: before any of its bytes are used."""
         if self._save is None:
@@ -276,7 +296,7 @@ class ShardedReader(ReaderBase):
     def arrays(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return self._shapes
 
-    def files(self) -> dict[str, FileReader]:
+    def files(self) -> dict[str, Any]:
         """Every piece file the index cites, opened (and pinned), by path."""
         names = sorted({p["file"] for e in self._arrays.values() for p in e["pieces"]})
         return {self.store.join(self.path, name): self._file(name) for name in names}

@@ -14,6 +14,7 @@ from typing import Any
 from ..._calls import call
 from .._errors import StepExistsError
 from ..format import _names, _shards
+from ..format._reader import FileReader
 from ..storage._base import Storage
 
 
@@ -224,16 +225,6 @@ def apply_retention(
             remove_checkpoint(store, entry)
 
 
-def remove_paths(store: Storage, paths: list[str]) -> None:
-    for path in paths:
-        store.remove(path)
-
-
-def remove_if_uncommitted_and_empty(store: Storage, path: str) -> None:
-    if not store.exists(store.join(path, _names.INDEX_NAME)):
-        store.remove_dir_if_empty(path)
-
-
 def remove_checkpoint(store: Storage, entry: Entry) -> None:
     """Deletes a checkpoint: a file, or a `.shards` directory's index (which uncommits it
     first), then the files this library names there. A directory that still holds other
@@ -241,13 +232,13 @@ def remove_checkpoint(store: Storage, entry: Entry) -> None:
     if not entry.sharded:
         store.remove(entry.path)
         return
-    cited = _shards.referenced_pieces(store, entry.path) or set()
+    cited = _shards.referenced_pieces(store, entry.path, FileReader) or set()
     index = store.join(entry.path, _names.INDEX_NAME)
     store.remove(index)
     if store.exists(index):
         return  # still committed (the removal failed): its pieces must stay
     # Only the pieces the removed index cited: a concurrent save's new pieces are not ours.
-    remove_paths(store, [store.join(entry.path, name) for name in sorted(cited)])
+    _shards.remove_paths(store, [store.join(entry.path, name) for name in sorted(cited)])
     clean_shards_dir(store, entry.path, keep_token=None)
 
 
@@ -410,7 +401,7 @@ def clean_shards_dir(store: Storage, path: str, *, keep_token: str | None) -> No
     `keep_token` that the index does not cite and whose writer is dead, and temporaries of
     dead writers. Removes the directory if it ends up empty and uncommitted."""
     items = store.list(path)
-    protected = _shards.referenced_pieces(store, path) or set()
+    protected = _shards.referenced_pieces(store, path, FileReader) or set()
     now = time.time()
     for item in items:
         name = item.name
@@ -427,10 +418,4 @@ def clean_shards_dir(store: Storage, path: str, *, keep_token: str | None) -> No
             age = None if item.modified is None else now - item.modified
             if _gone(store, temp[1], temp[2], age):
                 store.remove(item.path)  # a temporary file, or an upload's marker
-    remove_if_uncommitted_and_empty(store, path)
-
-
-def remove_replaced_pieces(store: Storage, path: str, replaced: set[str], keep: set[str]) -> None:
-    """After process 0 commits an overwrite: the pieces the replaced index cited go, and no
-    others (a concurrent save's pieces belong to it)."""
-    remove_paths(store, [store.join(path, name) for name in sorted(replaced - keep)])
+    _shards.remove_if_uncommitted_and_empty(store, path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from .._errors import PartialRestoreWarning as PartialRestoreWarning
 from ..format._description import LeafKind, key_impl, key_impls, kind_of
 from ..format._leaf_names import leaf_names
 from . import _selection, _transform
+from ._matched import Match as Match, Slot as Slot, cast_on_host as cast_on_host
 from ._options import CASTINGS as CASTINGS, Casting as Casting, RestoreOptions
 from ._rename import (
     ROOT,
@@ -51,73 +51,9 @@ def loosest_needed(saved: np.dtype, target: np.dtype) -> str | None:
     return next((c for c in CASTINGS if np.can_cast(saved, target, c)), None)
 
 
-def cast_on_host(array: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-    """`array` as `dtype` (None: as it is), as NumPy casts: a value out of range becomes
-    inf (a float) or wraps (an integer), and a complex loses its imaginary part, silently,
-    as the `casting` asked for allows."""
-    if dtype is None or array.dtype == dtype:
-        return array
-    with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
-        return array.astype(dtype)
-
-
 def saved_key_impls(reader: Any) -> dict[str, str]:
     """The implementation of every typed PRNG key the file's tree records, by tensor name."""
     return key_impls(reader.description()) if reader.has_description else {}
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One target leaf filled from one saved tensor (`cast`: the dtype to cast to on the
-    host, or None; `transform`: the function run on the saved tensor first, or None, and
-    `shape`, `dtype`: what it returns)."""
-
-    index: int
-    target: str
-    saved: str
-    kind: LeafKind
-    cast: np.dtype | None = None
-    transform: Callable[[Any], Any] | None = None
-    shape: tuple[int, ...] = ()
-    dtype: np.dtype | None = None
-
-    def host_array(self, saved: np.ndarray) -> np.ndarray:
-        """The saved tensor's host bytes as this leaf takes them: transformed, then cast."""
-        if self.transform is not None and self.dtype is not None:
-            saved = _transform.apply(self.transform, saved, self.shape, self.dtype)
-        return cast_on_host(saved, self.cast)
-
-
-@dataclass
-class Match:
-    """What `match` decided: the leaves to fill, and what a plan shows."""
-
-    leaves: list[Any]
-    treedef: Any
-    names: list[str]  # of every leaf, as the file names them
-    slots: list[Slot] = field(default_factory=list)  # arrays, taken
-    config_slots: list[Slot] = field(default_factory=list)  # module scalars, compared
-    taken: dict[str, str] = field(default_factory=dict)
-    cast: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
-    # target name -> (saved shape, shape after its transform)
-    transformed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    kept: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # kept: no saved tensor (strict=False)
-    unused: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    mismatched: list[str] = field(default_factory=list)  # saved names a bad header may explain
-    hint: str = ""
-    nothing_found: bool = False  # no leaf to restore is in the file: the names differ
-
-    def take(self, slot: Slot, saved_shape: tuple[int, ...]) -> None:
-        """Records that `slot` fills its leaf from a saved tensor of `saved_shape`."""
-        self.slots.append(slot)
-        self.taken[slot.target] = slot.saved
-        if slot.cast is not None and slot.dtype is not None:
-            self.cast[slot.target] = (slot.dtype, slot.cast)
-        if slot.transform is not None:
-            self.transformed[slot.target] = (saved_shape, slot.shape)
 
 
 def _describe(shape: Any, dtype: Any) -> str:

@@ -33,7 +33,7 @@ from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
 from ..format._reader import FileReader
 from ..storage._base import Storage
-from . import _agreement, _coordination, _directory
+from . import _agreement, _coordination
 from ._coordination import BarrierTimeoutError as BarrierTimeoutError
 
 _COMMITTED = "committed"
@@ -263,7 +263,7 @@ def write_and_commit(
             store, final_dir, token, tensors, metadata, commit_op, timeout_s, overwrite, outcome
         )
         try:
-            _directory.remove_replaced_pieces(
+            _shards.remove_replaced_pieces(
                 store, final_dir, replaced, {_names.piece_file(i, token) for i in range(count)}
             )
             after_commit()
@@ -275,8 +275,8 @@ def write_and_commit(
             raise  # an index that may land cites these pieces: cleanup removes them later
         # This save will never commit: take back what it wrote (process 0: every
         # process's pieces of this token), so no uncommitted litter stays behind.
-        _directory.remove_paths(store, every_piece if process == 0 else [own_piece])
-        _directory.remove_if_uncommitted_and_empty(store, final_dir)
+        _shards.remove_paths(store, every_piece if process == 0 else [own_piece])
+        _shards.remove_if_uncommitted_and_empty(store, final_dir)
         if isinstance(error, BarrierTimeoutError):
             raise BarrierTimeoutError(
                 f"{error} Nothing was committed: the previous checkpoint is still the latest."
@@ -349,7 +349,7 @@ def _write_index(
     others why (and whether the index may land after all) before raising."""
     try:
         arrays = _collect_index(store, final_dir, token, jax.process_count(), tensors)
-        replaced = _shards.referenced_pieces(store, final_dir) or set()
+        replaced = _shards.referenced_pieces(store, final_dir, FileReader) or set()
         index_metadata = {
             **_header_codes.with_complex(metadata, [t.dtype for t in tensors]),
             _names.ARRAYS_KEY: json.dumps(arrays, separators=(",", ":")),

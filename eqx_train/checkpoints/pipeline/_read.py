@@ -27,7 +27,8 @@ else:  # imported on first use: the command line reads headers without JAX
 
 from ..._tree import weak_like
 from ..format._description import LeafKind
-from . import _matching, _read_once, _transform
+from . import _read_once, _transform
+from ._matched import Match, Slot, cast_on_host
 from ._options import RestoreOptions
 from ._transfer import windowed_reads
 from ._window import HostWindow
@@ -51,8 +52,8 @@ def blockwise(reader: Any, leaf: Any, kind: LeafKind) -> bool:
 
 def read_whole(
     reader: Any,
-    found: _matching.Match,
-    whole: dict[str, list[_matching.Slot]],
+    found: Match,
+    whole: dict[str, list[Slot]],
     options: RestoreOptions,
     place: Place,
     settle: Settle,
@@ -76,7 +77,7 @@ def read_whole(
                 held += math.prod(s.shape) * itemsize
         return held
 
-    def place_all(name: str, array: np.ndarray) -> list[tuple[_matching.Slot, Any, str]]:
+    def place_all(name: str, array: np.ndarray) -> list[tuple[Slot, Any, str]]:
         """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
         placed, slots = [], whole[name]
         for slot in slots:
@@ -116,9 +117,7 @@ def read_whole(
     return problems
 
 
-def read_blocks(
-    reader: Any, found: _matching.Match, slots: list[_matching.Slot], options: RestoreOptions
-) -> None:
+def read_blocks(reader: Any, found: Match, slots: list[Slot], options: RestoreOptions) -> None:
     """Fills the leaves of `slots` in `found.leaves` device block by device block, a block
     several processes place read once across them with `options.replica_parallel`."""
     leaves, verify = found.leaves, options.verify
@@ -144,7 +143,7 @@ def read_blocks(
 
 
 def config_values(
-    reader: Any, found: _matching.Match, options: RestoreOptions, problems: list[str]
+    reader: Any, found: Match, options: RestoreOptions, problems: list[str]
 ) -> list[tuple[str, Any, LeafKind, np.ndarray]]:
     """(name, target leaf, kind, saved value) of each Python scalar of an Equinox module the
     file saved, to compare with the target's (read outside the window: a few bytes each);
@@ -173,6 +172,6 @@ def _read_blockwise(
         bounds = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
         if bounds not in read:
             block = reader.read(name, tuple(slice(*b) for b in bounds), verify=verify)
-            read[bounds] = _matching.cast_on_host(block, cast)
+            read[bounds] = cast_on_host(block, cast)
         blocks.append(jax.device_put(read[bounds], device))
     return jax.make_array_from_single_device_arrays(shape, sharding, blocks)

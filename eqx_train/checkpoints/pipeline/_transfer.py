@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._calls import call, in_context
-from ..format import _format
 from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 
 # A restore reads up to this many groups of leaves at once, each a share of the window.
@@ -195,13 +194,6 @@ def through_window(
     """The format writer's leaf source in a save (`_format.leaves_from`): `host_arrays`
     within the window `_window.host_window_bytes` set."""
     return host_arrays(tensors, current_window(), final=final)
-
-
-def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
-    """`_format.write_file`, its leaves moved to the host by `host_arrays` within the
-    current window: the writer of a save outside the save pipeline (`save_sharded`)."""
-    with _format.leaves_from(through_window):
-        _format.write_file(out, tensors, metadata)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-from ._base import Upload
 from ._client import timestamp
+from ._items import Upload
 
 # botocore settings (s3fs's `config_kwargs`) unless the caller sets them: a store that stops
 # answering fails a request in seconds rather than after botocore's and s3fs's nested
