@@ -19,7 +19,8 @@ can never disagree about what a name means. File names:
 `{token}` of a multi-process save starts with process 0's `{writer}`.
 
 Names inside a file: the safetensors header's `__metadata__` keys and format markers
-(`*_KEY`, `FORMAT_*`, `HF_*` below); see docs/checkpoint_format.md.
+(`*_KEY`, `FORMAT_*`, `HF_*`) live in `_keys` and are re-exported here; see
+docs/checkpoint_format.md.
 """
 
 from __future__ import annotations
