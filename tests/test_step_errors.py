@@ -111,3 +111,38 @@ def test_a_missing_step_names_the_call_the_user_made(tmp_path):
         StepNotFoundError, match=r"^CheckpointManager\.restore: no checkpoint for step 3"
     ):
         manager.restore(STATE, step=3)
+
+
+def test_a_multiprocess_commit_beaten_by_another_saves_index_is_a_step_exists_error(
+    tmp_path, monkeypatch
+):
+    """Two saves of one new step race past the planning check; the one whose index write is
+    refused because the other's index is there raises `StepExistsError` on process 0, and
+    its peers, told so, raise the same (not a bare `FileExistsError` / `RuntimeError`)."""
+    import jax
+
+    from eqx_train.checkpoints.pipeline import _coordination, _multiprocess
+    from eqx_train.checkpoints.storage import LocalStorage
+
+    checkpoints.save_checkpoint_multiprocess(str(tmp_path), STATE, 1)  # the winner
+    final_dir = str(tmp_path / "checkpoint_1.shards")
+    token = "0bbfd16a-1-0123456789abcdef"
+
+    def commit() -> None:
+        _multiprocess.write_and_commit(
+            LocalStorage(), final_dir, token, "save-1-step-1", ([], {}), [], {}, timeout_s=5,
+            overwrite=False, after_commit=lambda: None,
+        )  # fmt: skip
+
+    with pytest.raises(StepExistsError, match="overwrite=True") as raised:
+        commit()
+    assert isinstance(raised.value, FileExistsError) and isinstance(raised.value, ValueError)
+    assert checkpoints.restore_checkpoint(str(tmp_path), None)["w"].tolist() == [0, 1, 2]
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_coordination, "gather", lambda op, value, **kw: ["ok", value])
+    said = f"StepExistsError: {raised.value}"
+    monkeypatch.setattr(_coordination, "broadcast", lambda op, value, **kw: said)
+    with pytest.raises(StepExistsError, match="did not commit"):
+        commit()

@@ -29,6 +29,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
 
 from ..._calls import call
+from .._errors import StepExistsError
 from ..format import _description, _format, _header_codes, _names, _shards
 from ..format._names import PIECES_KEY
 from ..format._reader import FileReader
@@ -326,7 +327,9 @@ def _hear_commit(commit_op: str, timeout_s: int | float, outcome: _Outcome) -> N
     said = _coordination.broadcast(commit_op, None, timeout_s=timeout_s)
     outcome.unsure = str(said).startswith(_UNSURE)
     if said != _COMMITTED:
-        raise RuntimeError(
+        # Process 0 was refused because another save's index is there: the same error here.
+        error = StepExistsError if str(said).startswith(StepExistsError.__name__) else RuntimeError
+        raise error(
             f"{call()}: process 0 did not commit this save ({said}); the previous "
             "checkpoint is still the latest."
         )
@@ -369,6 +372,12 @@ def _write_index(
             whose = _index_owner(store, final_dir, token)
             if whose != "ours":
                 outcome.unsure = whose == "unknown" or not isinstance(refusal, FileExistsError)
+                if whose == "other" and isinstance(refusal, FileExistsError):
+                    raise StepExistsError(
+                        f"{call()}: a checkpoint was committed at {final_dir} by another save "
+                        "while this one was writing; it was kept. Pass overwrite=True to "
+                        "replace it."
+                    ) from None
                 raise
     except BaseException as error:
         _coordination.broadcast(
