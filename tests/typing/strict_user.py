@@ -119,6 +119,9 @@ def checkpoints(directory: str) -> TrainState[eqx.nn.MLP]:
         manager.save(1, state, metrics={"loss": 0.5})
         again = manager.restore(state)
         assert_type(again, TrainState[eqx.nn.MLP])
+        manager.wait()
+        saved_tree = manager.restore(None)
+        assert_type(saved_tree, Any)
     return restored
 
 

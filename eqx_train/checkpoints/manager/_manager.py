@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import jax
 from jax.typing import ArrayLike
@@ -287,6 +287,36 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         except Exception as save_error:  # report both, without hiding the original error
             exc.add_note(f"Also, a background checkpoint save failed: {save_error!r}")
 
+    @overload
+    def restore(
+        self,
+        target: None,
+        step: _names.Step | Literal["best"] | None = None,
+        *,
+        fallback: bool = True,
+        config: Literal["target", "saved"] = "target",
+        filter_spec: Any = None,
+        strict: bool = True,
+        rename: _matching.Rename = None,
+        casting: _matching.Casting = "no",
+        transform: _transform.Transform = None,
+    ) -> Any: ...
+
+    @overload
+    def restore(
+        self,
+        target: T,
+        step: _names.Step | Literal["best"] | None = None,
+        *,
+        fallback: bool = True,
+        config: Literal["target", "saved"] = "target",
+        filter_spec: Any = None,
+        strict: bool = True,
+        rename: _matching.Rename = None,
+        casting: _matching.Casting = "no",
+        transform: _transform.Transform = None,
+    ) -> T: ...
+
     def restore(
         self,
         target: T,
@@ -305,7 +335,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
 
         **Arguments:**
 
-        - `target`: the pytree to fill (see `restore_checkpoint`).
+        - `target`: the pytree to fill (see `restore_checkpoint`), or None for the saved
+          tree as nested dicts of arrays.
         - `step`: `None` for the latest checkpoint, `"best"` for the best by
           `best_metric`, or a step number.
         - `fallback`: only for `step=None`: if the latest checkpoint is corrupt (truncated,
