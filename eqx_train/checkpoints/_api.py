@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._calls import calling
+from .._progress import Progress
 from .format import _names
 from .pipeline import _directory, _save
 from .pipeline._async import AsyncManager
@@ -33,6 +34,7 @@ def save_checkpoint(
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     filter_spec: Any = None,
+    progress: Progress = None,
 ) -> str:
     """Saves `target` as `{ckpt_dir}/{prefix}{step}.safetensors` and prunes old checkpoints.
 
@@ -92,6 +94,11 @@ def save_checkpoint(
       `eqx.tree_serialise_leaves`): a filter such as `eqx.is_array` (the arrays, no Python
       configuration), a bool, or a pytree prefix of `target` of those. The file records
       `None` for the leaves left out. Default: every leaf.
+    - `progress`: show the write's progress: `True` draws a tqdm bar on stderr (bytes, rate,
+      ETA; only once the write has taken about a second; needs `tqdm`), or pass a function,
+      called as `fn(done_bytes, total_bytes)` as the tensor bytes are written, from the
+      thread that writes (a background thread with `async_manager`). `total_bytes` may grow
+      as files begin. Default: no report, at no cost.
 
     **Returns:**
 
@@ -114,6 +121,7 @@ def save_checkpoint(
             snapshot=snapshot,
             host_window_bytes=host_window_bytes,
             filter_spec=filter_spec,
+            progress=progress,
         )
         return _save.save(
             ckpt_dir,
@@ -141,6 +149,7 @@ def save_checkpoint_multiprocess(
     storage_options: Mapping[str, Any] | None = None,
     filter_spec: Any = None,
     replica_parallel: bool = True,
+    progress: Progress = None,
 ) -> str:
     """Saves a checkpoint of arrays sharded over several processes; call it on every process.
 
@@ -166,7 +175,8 @@ def save_checkpoint_multiprocess(
       alone); both layouts restore the same.
 
     `ckpt_dir` must name the same storage on every process: an object-store URL, or a
-    directory of a file system every process mounts.
+    directory of a file system every process mounts. With `progress`, each process reports
+    the bytes of its own pieces.
 
     **Returns:**
 
@@ -183,6 +193,7 @@ def save_checkpoint_multiprocess(
             multiprocess=True,
             timeout_s=timeout_s,
             replica_parallel=replica_parallel,
+            progress=progress,
         )
         return _save.save(
             ckpt_dir,

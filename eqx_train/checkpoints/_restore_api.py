@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
 from .._calls import calling
+from .._progress import Progress
 from .format import _names
 from .pipeline import _matching, _restore, _selection, _transform
 from .pipeline._options import RestoreOptions
@@ -38,6 +39,7 @@ def restore_checkpoint(
     replica_parallel: bool = True,
     transform: _transform.Transform = None,
     threaded_reads: bool | None = None,
+    progress: Progress = None,
 ) -> Any: ...
 
 
@@ -60,6 +62,7 @@ def restore_checkpoint(
     replica_parallel: bool = True,
     transform: _transform.Transform = None,
     threaded_reads: bool | None = None,
+    progress: Progress = None,
 ) -> T: ...
 
 
@@ -81,6 +84,7 @@ def restore_checkpoint(
     replica_parallel: bool = True,
     transform: _transform.Transform = None,
     threaded_reads: bool | None = None,
+    progress: Progress = None,
 ) -> T:
     """Restores a checkpoint into the structure of `target` (or as saved, if `target` is None).
 
@@ -169,6 +173,11 @@ def restore_checkpoint(
       checkpoint (read piece by piece) nor to an object store (whose byte ranges are
       always fetched in parallel requests), and has nothing to do with
       `replica_parallel`, which splits reading between processes.
+    - `progress`: show the read's progress: `True` draws a tqdm bar on stderr (bytes, rate,
+      ETA; only once the restore has taken about a second; needs `tqdm`), or pass a
+      function, called as `fn(done_bytes, total_bytes)` as the tensor bytes this process
+      reads are read and placed. `total_bytes` may grow as the reads begin. Default: no
+      report, at no cost.
 
     **Returns:**
 
@@ -199,6 +208,7 @@ def restore_checkpoint(
             threaded_reads=parallel if threaded_reads is None else threaded_reads,
             host_window_bytes=host_window_bytes,
             replica_parallel=replica_parallel,
+            progress=progress,
         ).check(target)
         store, where = _locations.resolve(ckpt_dir, storage_options)
         return _restore.restore(store, where, target, step, prefix, options)

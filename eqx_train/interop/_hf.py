@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._progress import Progress
 from ..checkpoints import engine
 from ..checkpoints.engine import (
     HF_INDEX_NAME,
@@ -249,6 +250,7 @@ def load_sharded(
     verify: bool = True,
     parallel: bool = True,
     threaded_reads: bool | None = None,
+    progress: Progress = None,
 ) -> Any:
     """Loads weights in the Hugging Face layout (written by `save_sharded`,
     `huggingface_hub`, `transformers`' `save_pretrained(safe_serialization=True)`, or one
@@ -281,6 +283,8 @@ def load_sharded(
     - `threaded_reads`: read the whole tensors a target needs with up to 8 threads when
       they add up to 16 MiB or more (default: `parallel`'s value, True).
     - `parallel`: the older name of `threaded_reads` (`threaded_reads`, when given, wins).
+    - `progress`: as for `restore_checkpoint`: `True` draws a tqdm bar on stderr, or a
+      function is called as `fn(done_bytes, total_bytes)` as the tensors are read.
 
     **Returns:**
 
@@ -303,6 +307,7 @@ def load_sharded(
             transform=transform,
             verify=verify,
             threaded_reads=parallel if threaded_reads is None else threaded_reads,
+            progress=progress,
         ).check(target)
         return _load_sharded(os.fspath(directory), target, options)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import _progress
 from ..._calls import call
 from ..storage._local_files import start_writeback
 from . import _header_codes
@@ -179,6 +180,7 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     wrong checksum); neither pass frees the snapshot, since the upload may be retried.
     """
     source = _leaf_source.get()
+    _progress.expect(sum(t.nbytes for t in tensors))
     if isinstance(out, int):
         _write_to_fd(out, tensors, metadata, source)
         return
@@ -198,6 +200,7 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
                 out.write(block)
             if check.hexdigest() != digests[t.name]:
                 raise RuntimeError(f"{call()}: leaf '{t.name}' changed while it was being saved.")
+            _progress.advance(t.nbytes)
 
 
 def _write_to_fd(
@@ -230,6 +233,7 @@ def _write_to_fd(
                 # its hash is done with them, even when the write failed.
                 wait([digest])
             digests[t.name] = digest.result()
+            _progress.advance(t.nbytes)
     header = _encode_header(tensors, metadata, digests)
     if len(header) != len(placeholder):  # pragma: no cover - digests are fixed-width hex
         raise AssertionError("checkpoint header changed length")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..._progress import Progress
 from ..format import _names
 from ..pipeline._options import Casting, RestoreOptions, check_snapshot
 from ..pipeline._rename import Rename
@@ -170,6 +171,7 @@ def restore_options(
     rename: Rename,
     casting: Casting,
     transform: Transform,
+    progress: Progress,
 ) -> RestoreOptions:
     """The checked options of a `CheckpointManager.restore` into `target`, with the
     manager's own, as the restore pipeline takes them (errors name the call in progress)."""
@@ -182,4 +184,5 @@ def restore_options(
         transform=transform,
         host_window_bytes=options.host_window_bytes,
         replica_parallel=options.replica_parallel,
+        progress=progress,
     ).check(target)

@@ -13,6 +13,7 @@ import jax
 from jax.typing import ArrayLike
 
 from ..._calls import calling, in_context
+from ..._progress import Progress, reporting
 from ..format import _names
 from ..format._names import (
     METRICS_KEY as _METRICS_KEY,
@@ -209,6 +210,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         filter_spec: Any = None,
+        progress: Progress = None,
     ) -> str:
         """Saves `state` at `step` with its metrics and metadata; returns the file's path.
 
@@ -222,6 +224,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
           revision), stored in the file.
         - `filter_spec`: save only the leaves it selects, as for `save_checkpoint`
           (`eqx.is_array`: the arrays, no Python configuration).
+        - `progress`: as for `save_checkpoint` (`True`: a tqdm bar on stderr; or a function
+          `(done_bytes, total_bytes)`, called from the thread that writes).
 
         Raises the error of a failed previous background save, if any, and
         `StepExistsError` (a `ValueError` and a `FileExistsError`) when `step` is not newer
@@ -254,6 +258,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
                     snapshot=options.snapshot,
                     host_window_bytes=options.host_window_bytes,
                     filter_spec=filter_spec,
+                    progress=progress,
                     replica_parallel=options.replica_parallel,
                 ),
                 storage_options=options.storage_options,
@@ -300,6 +305,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         rename: _matching.Rename = None,
         casting: _matching.Casting = "no",
         transform: _transform.Transform = None,
+        progress: Progress = None,
     ) -> Any: ...
 
     @overload
@@ -315,6 +321,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         rename: _matching.Rename = None,
         casting: _matching.Casting = "no",
         transform: _transform.Transform = None,
+        progress: Progress = None,
     ) -> T: ...
 
     def restore(
@@ -329,6 +336,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         rename: _matching.Rename = None,
         casting: _matching.Casting = "no",
         transform: _transform.Transform = None,
+        progress: Progress = None,
     ) -> T:
         """Restores a checkpoint into the structure of `target`, as `restore_checkpoint`
         does.
@@ -354,6 +362,9 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         - `strict`, `rename`, `casting`, `transform`: as for `restore_checkpoint`, for a
           model that changed since the save (see `plan_restore`); the fallback works with
           them too.
+        - `progress`: as for `restore_checkpoint` (`True`: a tqdm bar on stderr; or a
+          function `(done_bytes, total_bytes)`); one report for the whole call, however
+          many checkpoints a fallback tries.
 
         **Returns:**
 
@@ -386,13 +397,16 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
                 rename=rename,
                 casting=casting,
                 transform=transform,
+                progress=progress,
             )
             self.wait()
-            if step == "best":
-                return self._restore_best(target, options)
-            if step is not None or not fallback:
-                return self._restore_step(target, step, options)
-            return self._restore_latest(target, options)
+            # One report for the whole call: a fallback's several restores share it.
+            with reporting(progress, "restore"):
+                if step == "best":
+                    return self._restore_best(target, options)
+                if step is not None or not fallback:
+                    return self._restore_step(target, step, options)
+                return self._restore_latest(target, options)
 
     # ------------------------------------------------------------------ internals
 

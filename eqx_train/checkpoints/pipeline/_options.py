@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..._calls import call
+from ..._progress import Progress, check_progress
 from ..format import _names
 from . import _selection, _transform, _window
 from ._rename import Rename
@@ -47,6 +48,7 @@ class RestoreOptions:
     threaded_reads: bool = True
     host_window_bytes: int = DEFAULT_HOST_WINDOW_BYTES
     replica_parallel: bool = True
+    progress: Progress = None
 
     def check(self, target: Any) -> RestoreOptions:
         """Raises, naming the public call in progress, for an option of the wrong kind (or
@@ -55,6 +57,7 @@ class RestoreOptions:
         _selection.check_config(self.config)
         check_matching(self.casting, self.rename, target, self.filter_spec, self.transform)
         _window.check_window(self.host_window_bytes)
+        check_progress(self.progress, call())
         return self
 
 
@@ -78,6 +81,7 @@ class SaveOptions:
     timeout_s: int | float = 300.0
     replica_parallel: bool = True
     extra_metadata: dict[str, str] | Callable[[], dict[str, str]] | None = None
+    progress: Progress = None
 
     def check(self) -> SaveOptions:
         """Raises, naming the public call in progress, for an option of the wrong kind;
@@ -85,6 +89,7 @@ class SaveOptions:
         error of one process to all."""
         check_snapshot(self.snapshot, self.host_window_bytes)
         _names.check_prefix(self.prefix)
+        check_progress(self.progress, call())
         return self
 
 

@@ -25,6 +25,7 @@ else:  # imported on first use: the command line reads headers without JAX
 
     jax = LazyModule("jax")
 
+from ... import _progress
 from ..._tree import weak_like
 from ..format._description import LeafKind
 from . import _read_once, _transform
@@ -106,9 +107,11 @@ def read_whole(
         settle=lambda group: settle([leaves[s.index] for n in group for s in whole[n]]),
         place=place_all,
     )
+    _progress.expect(sum(_saved_bytes(available[name]) for name in whole))
     problems = []
     with closing(reads):
-        for _, placed in reads:
+        for name, placed in reads:
+            _progress.advance(_saved_bytes(available[name]))
             for slot, leaf, problem in placed:
                 if problem:
                     problems.append(problem)
@@ -134,12 +137,31 @@ def read_blocks(reader: Any, found: Match, slots: list[Slot], options: RestoreOp
         if options.replica_parallel
         else {}
     )
+    _progress.expect(sum(_own_bytes(leaves[slot.index]) for slot in slots))
     for slot in slots:
         if slot.saved in once:
             read = once[slot.saved]
         else:
             read = _read_blockwise(reader, slot.saved, leaves[slot.index], verify, slot.cast)
         leaves[slot.index] = weak_like(leaves[slot.index], read)
+        _progress.advance(_own_bytes(read))
+
+
+def _saved_bytes(entry: tuple[tuple[int, ...], np.dtype]) -> int:
+    shape, dtype = entry
+    return math.prod(shape) * dtype.itemsize
+
+
+def _own_bytes(leaf: Any) -> int:
+    """The bytes of a sharded leaf this process reads: one copy of each distinct block its
+    devices hold."""
+    shape = tuple(leaf.shape)
+    blocks = {
+        tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+        for index in leaf.sharding.addressable_devices_indices_map(shape).values()
+    }
+    itemsize = np.dtype(leaf.dtype).itemsize
+    return sum(math.prod(b - a for a, b in bounds) * itemsize for bounds in blocks)
 
 
 def config_values(

@@ -15,6 +15,7 @@ progress (`_errors.call`).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +31,9 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
     jtu = LazyModule("jax.tree_util")
 
+from ... import _progress
 from ..._calls import call
+from ..._progress import reporting
 from ..._text import short
 from .._errors import CheckpointFormatError, StepNotFoundError, invalid
 from ..format import _names
@@ -173,8 +176,19 @@ def _as_saved(reader: Reader, options: RestoreOptions) -> Any:
     another tool) nested dicts split on '.'."""
 
     def read_all() -> dict[str, np.ndarray]:
-        names = list(reader.arrays())
-        return reader.read_many(names, verify=options.verify, parallel=options.threaded_reads)
+        available = reader.arrays()
+        sizes = {
+            name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in available.items()
+        }
+        _progress.expect(sum(sizes.values()))
+        arrays: dict[str, np.ndarray] = {}
+        # With a report open, read in groups, so that it moves as the groups arrive.
+        for group in _groups(list(available), sizes, _REPORT_EVERY if options.progress else 0):
+            arrays.update(
+                reader.read_many(group, verify=options.verify, parallel=options.threaded_reads)
+            )
+            _progress.advance(sum(sizes[name] for name in group))
+        return arrays
 
     if not reader.has_description:
         return _unflatten_names(read_all())
@@ -188,6 +202,25 @@ def _as_saved(reader: Reader, options: RestoreOptions) -> Any:
         raise reader.bad(f"its tree cannot be rebuilt ({short(str(error), 160)})") from None
 
 
+# A restore of the tree as saved reports its progress after each group of this many bytes.
+_REPORT_EVERY = 64 << 20
+
+
+def _groups(names: list[str], sizes: dict[str, int], bound: int) -> list[list[str]]:
+    """`names` cut into consecutive groups of about `bound` bytes (one group: 0)."""
+    if bound <= 0:
+        return [names]
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name in names:
+        if groups[-1] and held + sizes[name] > bound:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += sizes[name]
+    return groups
+
+
 def restore_from(reader: Reader, target: Any, *, options: RestoreOptions) -> Any:
     """`target` filled from `reader` (or, for `target=None`, the tree as saved).
 
@@ -199,6 +232,11 @@ def restore_from(reader: Reader, target: Any, *, options: RestoreOptions) -> Any
     the saved tensor). With `strict=False`, a `PartialRestoreWarning` says what did not
     match.
     """
+    with reporting(options.progress, "restore"):
+        return _restore_from(reader, target, options)
+
+
+def _restore_from(reader: Reader, target: Any, options: RestoreOptions) -> Any:
     if target is None:
         return _as_saved(reader, options)
     found = _matching.match(reader, target, options)

@@ -32,6 +32,7 @@ else:  # imported on first use: the command line reads headers without JAX
     jax = LazyModule("jax")
 
 from ..._calls import call, in_context
+from ..._progress import reporting
 from .._errors import StepExistsError
 from ..format import _description, _format, _names
 from ..storage import _locations
@@ -166,6 +167,7 @@ def _write_stage(planned: Save, options: SaveOptions, commit: Callable[[], None]
         with (
             _window.host_window_bytes(options.host_window_bytes),
             _format.leaves_from(_transfer.through_window),
+            reporting(options.progress, "save"),
         ):
             commit()
     finally:
