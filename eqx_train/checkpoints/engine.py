@@ -25,6 +25,7 @@ from .format._description import (
 )
 from .format._format import check_header_size as check_header_size, write_all as write_all
 from .format._hf_layout import IndexReader as IndexReader
+from .format._leaf_kinds import _place_key as place_key
 from .format._layouts import (
     FOREIGN_READERS as FOREIGN_READERS,
     ForeignCheckpointError as ForeignCheckpointError,
