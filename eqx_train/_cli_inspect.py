@@ -85,7 +85,18 @@ def _metadata_lines(metadata: dict[str, str]) -> list[str]:
     return lines
 
 
-def _inspect_orbax(path: str, what: str) -> None:
+def _tensor_lines(arrays: dict[str, tuple[tuple[int, ...], np.dtype]], tree: bool) -> list[str]:
+    """The tensors as a tree of names, or with `--tree` every full name under its prefixes
+    (the names `restore_checkpoint`'s `rename=` maps), after a line saying which."""
+    if tree:
+        return [
+            "tensors by name prefix (restore_checkpoint's rename= maps these):",
+            *_prefix_lines(arrays),
+        ]
+    return ["tensors:", *_tree_lines(arrays)]
+
+
+def _inspect_orbax(path: str, what: str, tree: bool) -> None:
     print(f"{path}: {what}")
     kind, names = interop.orbax_layout(path)
     if kind == "run":
@@ -106,26 +117,29 @@ def _inspect_orbax(path: str, what: str) -> None:
         total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
         label = "" if item is None else f"item {item}: "
         print(f"{label}{len(arrays)} arrays, {size_text(total)}")
-        for line in _tree_lines(arrays):
+        for line in _tensor_lines(arrays, tree) if tree else _tree_lines(arrays):
             print(line)
 
 
-def _inspect_foreign(error: ForeignCheckpoint, prefix: str) -> None:
+def _inspect_foreign(error: ForeignCheckpoint, prefix: str, tree: bool) -> None:
     path = error.path
     if error.kind == "orbax":
-        _inspect_orbax(path, error.what)
+        _inspect_orbax(path, error.what, tree)
         print(f"read it with: eqx-train convert-orbax {path} DST (or load_orbax_checkpoint)")
         return
+    files = [path]
     if os.path.isdir(path):
         print(f"{path}: {error.what} (prefix '{prefix}')")
-        for file, step in flax_steps(path, prefix):
+        listed = flax_steps(path, prefix)
+        for file, step in listed:
             print(f"  step {step:<10} {os.path.basename(file)}")
-    else:
-        arrays = interop.flax_arrays(path)
+        files = [listed[-1][0]] if tree else []  # --tree: the latest, as for our directories
+    for file in files:
+        arrays = interop.flax_arrays(file)
         total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
-        print(f"{path}: flax msgpack checkpoint, {len(arrays)} tensors, {size_text(total)}")
-        print("tensors:")
-        for line in _tree_lines(arrays):
+        label = "latest: " if file != path else ""
+        print(f"{label}{file}: flax msgpack checkpoint, {len(arrays)} tensors, {size_text(total)}")
+        for line in _tensor_lines(arrays, tree):
             print(line)
     print(f"convert it with: eqx-train convert-flax {path} DST (or load_flax_checkpoint)")
 
@@ -135,7 +149,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         kind, reader = (open_one if args.tree else open_path)(args.path, args.prefix)
     except ForeignCheckpoint as foreign:
-        _inspect_foreign(foreign, args.prefix)
+        _inspect_foreign(foreign, args.prefix, args.tree)
         return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
@@ -154,11 +168,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                 size = sum(info.nbytes for info in shard.tensors.values())
                 name = os.path.basename(path)
                 print(f"file {name}: {len(shard.tensors)} tensors, {size_text(size)}")
-        if args.tree:  # full names under their prefixes, to write a rename= from
-            print("tensors by name prefix (restore_checkpoint's rename= maps these):")
-        else:
-            print("tensors:")
-        for line in _prefix_lines(arrays) if args.tree else _tree_lines(arrays):
+        for line in _tensor_lines(arrays, args.tree):
             print(line)
         for line in key_lines(reader):
             print(line)
@@ -173,9 +183,6 @@ def _metadata_at(path: str, prefix: str) -> dict[str, str]:
         raise OSError(str(error)) from None
     with reader:
         return reader.metadata
-
-
-# ------------------------------------------------------------------------------ verify
 
 
 # ------------------------------------------------------------------------------ verify
