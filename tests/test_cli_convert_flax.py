@@ -80,3 +80,23 @@ def test_convert_flax_of_a_missing_path_is_one_line_exit_1(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope" in err[0]
     assert not os.path.exists(tmp_path / "eqx")
+
+
+def test_convert_flax_of_a_file_named_without_a_step_refuses_to_guess_one(tmp_path, capsys):
+    saved = _save_flax(tmp_path / "flax", 42, 1.5)
+    renamed = tmp_path / "model.msgpack"
+    os.rename(saved, renamed)
+    assert main(["convert-flax", str(renamed), str(tmp_path / "eqx")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("with --step N\n") and "checkpoint_<step>" in err
+    assert not os.path.exists(tmp_path / "eqx")
+    assert main(["convert-flax", str(renamed), str(tmp_path / "eqx"), "--step", "42"]) == 0
+    assert available_steps(tmp_path / "eqx") == [42]
+
+
+def test_convert_flax_step_names_one_file_not_a_directory(tmp_path, capsys):
+    _save_flax(tmp_path / "flax", 1, 1.0)
+    argv = ["convert-flax", str(tmp_path / "flax"), str(tmp_path / "eqx"), "--step", "3"]
+    assert main(argv) == 1
+    assert "each converted as its own step" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "eqx")
