@@ -54,9 +54,21 @@ def _refuse_step_for_many(args: argparse.Namespace, what: str) -> None:
 def _convert_each(
     found: list[tuple[Any, str]], load: Callable[[str], Any], args: argparse.Namespace
 ) -> int:
-    """Loads each `(step, source)` in turn and saves it into DST as that step."""
-    from .checkpoints import save_checkpoint
+    """Loads each `(step, source)` in turn and saves it into DST as that step, after
+    refusing (before writing anything) steps that are not newer than DST's."""
+    from .checkpoints import available_steps, save_checkpoint
 
+    held = (
+        available_steps(args.dst, args.prefix, step_type=float) if os.path.isdir(args.dst) else []
+    )
+    if held and found[0][0] <= held[-1]:
+        # Checkpoints are added in step order (a save with overwrite= would delete newer ones).
+        raise CommandError(
+            f"{args.dst} already holds step {held[-1]:g}; the steps to convert "
+            f"({', '.join(str(step) for step, _ in found)}) must all be newer (resuming an "
+            "interrupted conversion? its finished steps are valid: convert into a new DST "
+            "and move them over, or pass the remaining checkpoints one by one)"
+        )
     for step, source in found:
         try:
             tree = load(source)
@@ -75,7 +87,6 @@ def _convert_each(
 
 def run_convert_orbax(args: argparse.Namespace) -> int:
     """`eqx-train convert-orbax SRC DST`; returns 0."""
-    from .checkpoints import available_steps
     from .interop import load_orbax_checkpoint
 
     if not os.path.lexists(args.src):
@@ -93,17 +104,6 @@ def run_convert_orbax(args: argparse.Namespace) -> int:
         )
         named = step if step != 0 or _names_step_zero(args.src, kind) else None
         found = [(_one_step(args.src, named, naming, args), directory)]
-    held = (
-        available_steps(args.dst, args.prefix, step_type=float) if os.path.isdir(args.dst) else []
-    )
-    if held and found[0][0] <= held[-1]:
-        # Checkpoints are added in step order: refuse before writing anything.
-        raise CommandError(
-            f"{args.dst} already holds step {held[-1]:g}; the steps to convert "
-            f"({', '.join(str(step) for step, _ in found)}) must all be newer (resuming an "
-            "interrupted conversion? its finished steps are valid: convert into a new DST "
-            "and move them over, or pass the remaining step directories one by one)"
-        )
     return _convert_each(found, load_orbax_checkpoint, args)
 
 

@@ -100,3 +100,17 @@ def test_convert_flax_step_names_one_file_not_a_directory(tmp_path, capsys):
     assert main(argv) == 1
     assert "each converted as its own step" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "eqx")
+
+
+def test_convert_flax_into_a_destination_holding_a_newer_step_refuses_before_writing(
+    tmp_path, capsys
+):
+    eqx_dir = tmp_path / "eqx"
+    save_checkpoint(eqx_dir, {"x": np.zeros(2)}, 9)
+    for step in (1, 20):
+        _save_flax(tmp_path / "flax", step, float(step))
+    assert main(["convert-flax", str(tmp_path / "flax"), str(eqx_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds step 9; the steps to convert (1, 20)" in err
+    assert "overwrite=" not in err  # the command line has no such option
+    assert available_steps(eqx_dir) == [9]
