@@ -19,26 +19,22 @@ def run_convert_flax(args: argparse.Namespace) -> int:
     from .interop import load_flax_checkpoint
 
     found = flax_steps(args.src, args.prefix)
-    if len(found) == 1 and not os.path.isdir(args.src):
-        (path, step), named = (
-            found[0],
-            f"its name is not {args.prefix}<step> and a flax file keeps no step",
-        )
-        return _convert_each(
-            [(_one_step(path, step, named, args), path)], load_flax_checkpoint, args
-        )
-    _refuse_step_for_many(args, f"a directory of flax checkpoints ({len(found)})")
-    return _convert_each([(step, path) for path, step in found], load_flax_checkpoint, args)
+    if os.path.isdir(args.src):
+        _refuse_step_for_many(args, f"a directory of flax checkpoints ({len(found)})")
+        return _convert_each([(step, path) for path, step in found], load_flax_checkpoint, args)
+    ((path, named),) = found
+    why = f"its name is not {args.prefix}<step>, and a flax file keeps no step"
+    return _convert_each([(_one_step(path, named, why, args), path)], load_flax_checkpoint, args)
 
 
-def _one_step(source: str, named: int | float | None, naming: str, args: argparse.Namespace) -> Any:
+def _one_step(source: str, named: Any, why: str, args: argparse.Namespace) -> Any:
     """The step to save the one checkpoint `source` as: `--step`, else the step its name
-    says (`named`); refuses to guess one."""
+    says (`named`); refuses to guess one when that is None (`why` says why)."""
     if args.step is not None:
         return args.step
     if named is None:
         raise CommandError(
-            f"{source}: its step is unknown: {naming}; pass the step to save it as with --step N"
+            f"{source}: its step is unknown: {why}; pass the step to save it as with --step N"
         )
     return named
 
@@ -96,14 +92,14 @@ def run_convert_orbax(args: argparse.Namespace) -> int:
     kind, steps = interop.orbax_layout(args.src)
     if kind == "run":
         _refuse_step_for_many(args, f"a directory of Orbax steps ({len(steps)})")
-    else:
-        (step, directory), naming = (
-            found[0],
-            "neither its name nor a CheckpointManager step directory around it says one "
-            "(<step> or <name>_<step>), and Orbax's metadata keeps none",
-        )
-        named = step if step != 0 or _names_step_zero(args.src, kind) else None
-        found = [(_one_step(args.src, named, naming, args), directory)]
+        return _convert_each(found, load_orbax_checkpoint, args)
+    ((step, directory),) = found  # Orbax's 0 stands for "no step in the names" too
+    named = step if step != 0 or _names_step_zero(args.src, kind) else None
+    why = (
+        "neither its name nor a CheckpointManager step directory around it says one "
+        "(<step> or <name>_<step>), and Orbax's metadata keeps none"
+    )
+    found = [(_one_step(args.src, named, why, args), directory)]
     return _convert_each(found, load_orbax_checkpoint, args)
 
 
