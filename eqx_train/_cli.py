@@ -77,7 +77,6 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--mode",
         choices=("min", "max"),
-        default="min",
         help="for a directory: whether lower (min, the default) or higher metrics are better",
     )
     sub.set_defaults(run=run_inspect)

@@ -149,15 +149,17 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         kind, reader = (open_one if args.tree else open_path)(args.path, args.prefix)
     except ForeignCheckpoint as foreign:
+        _refuse_ranking(args, "an Orbax or flax checkpoint (no metrics to rank)")
         _inspect_foreign(foreign, args.prefix, args.tree)
         return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
         metadata_at = functools.partial(_metadata_at, prefix=args.prefix)
-        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode):
+        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode or "min"):
             print(line)
         return 0
     with reader:
+        _refuse_ranking(args, "one checkpoint" + (" (--tree shows one)" if args.tree else ""))
         arrays = reader.arrays()
         total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
         print(f"{args.path}: {kind}, {len(arrays)} tensors, {size_text(total)}")
@@ -173,6 +175,17 @@ def run_inspect(args: argparse.Namespace) -> int:
         for line in key_lines(reader):
             print(line)
     return 0
+
+
+def _refuse_ranking(args: argparse.Namespace, what: str) -> None:
+    """Refuses `--best-metric`/`--mode` where there is no listing of checkpoints to rank."""
+    flags = (("--best-metric", args.best_metric), ("--mode", args.mode))
+    given = [flag for flag, value in flags if value is not None]
+    if given:
+        raise CommandError(
+            f"{' and '.join(given)}: only a directory's listing of checkpoints is ranked, and "
+            f"{args.path} is {what}; leave {'them' if len(given) > 1 else 'it'} out"
+        )
 
 
 def _metadata_at(path: str, prefix: str) -> dict[str, str]:

@@ -267,3 +267,15 @@ def test_inspect_piped_into_head_prints_its_first_lines_only(tmp_path):
     )
     assert result.stdout.count("\n") == 2 and "step: 3" in result.stdout
     assert result.stderr in ("status 141\n", "status 0\n")
+
+
+def test_inspect_refuses_ranking_options_where_there_is_no_listing_to_rank(tmp_path, capsys):
+    path = save_checkpoint(tmp_path, _tree(), 3)
+    for argv in (
+        ["inspect", path, "--best-metric", "loss"],
+        ["inspect", str(tmp_path), "--tree", "--mode", "max"],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "only a directory's listing of checkpoints is ranked" in err
+    assert main(["inspect", str(tmp_path), "--mode", "max"]) == 0
