@@ -192,3 +192,14 @@ def test_non_strict_reports_every_key_it_kept_from_the_target():
         target, {"w": np.ones(1, np.float32), "key": np.zeros(2, np.uint32)}, strict=False
     )
     assert report.kept_keys == ()
+
+
+def test_a_loaded_key_is_placed_as_the_target_key():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    target = {"keys": jax.device_put(jax.random.split(jax.random.key(0), 8), sharding)}
+    data = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 8)))
+    loaded = from_state_dict(target, {"keys": data})
+    assert loaded["keys"].sharding == sharding
+    uncommitted = from_state_dict({"key": jax.random.key(0)}, {"key": data[0]})["key"]
+    assert not uncommitted.committed
