@@ -25,7 +25,6 @@ from .format._description import (
 )
 from .format._format import check_header_size as check_header_size, write_all as write_all
 from .format._hf_layout import IndexReader as IndexReader
-from .format._leaf_kinds import _place_key as place_key
 from .format._layouts import (
     FOREIGN_READERS as FOREIGN_READERS,
     ForeignCheckpointError as ForeignCheckpointError,
@@ -35,6 +34,7 @@ from .format._layouts import (
     locate as locate,
     open_reader as open_reader,
 )
+from .format._leaf_kinds import _place_key
 from .format._names import (
     FORMAT_KEY as FORMAT_KEY,
     FORMAT_NAME as FORMAT_NAME,
@@ -78,3 +78,5 @@ from .storage._local import (
     LocalStorage as LocalStorage,
     fsync_dir as fsync_dir,
 )
+
+place_key = _place_key  # a typed key from key data, placed as a target key is
