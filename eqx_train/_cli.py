@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -28,6 +29,16 @@ def _tolerance(text: str) -> float:
     if not value >= 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+def _step(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a step (a number >= 0), got {text!r}")
+    return int(value) if value.is_integer() else value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,7 +77,6 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--mode",
         choices=("min", "max"),
-        default="min",
         help="for a directory: whether lower (min, the default) or higher metrics are better",
     )
     sub.set_defaults(run=run_inspect)
@@ -93,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("src", help="a flax checkpoint file or directory")
     sub.add_argument("dst", help="the eqx_train checkpoint directory to write")
+    _step_option(sub, "a file whose name holds no step (<prefix><step>)")
     sub.set_defaults(run=run_convert_flax)
     sub = command(
         "convert-orbax",
@@ -103,17 +114,48 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("src", help="an Orbax checkpoint, CheckpointManager step, or run directory")
     sub.add_argument("dst", help="the eqx_train checkpoint directory to write")
     sub.add_argument(
-        "--item", help="the CheckpointManager item to convert (when there are several)"
+        "--item",
+        metavar="NAME",
+        help="the CheckpointManager item to convert (when there are several)",
+    )
+    _step_option(
+        sub,
+        "a checkpoint whose directory name holds no step, such as the state/ or model/ of "
+        "NNX's guide (Orbax's metadata keeps none)",
     )
     sub.set_defaults(run=run_convert_orbax)
     return parser
+
+
+def _step_option(sub: argparse.ArgumentParser, needed_for: str) -> None:
+    sub.add_argument(
+        "--step",
+        type=_step,
+        metavar="N",
+        help="the step to save one checkpoint as (default: the step its name says); "
+        f"needed for {needed_for}",
+    )
+
+
+def _quiet_closed_stdout() -> int:
+    """After a write to a closed pipe (`eqx-train inspect ... | head`): nothing more goes to
+    stdout, not even the interpreter's last flush, and the status is 141, as for `cat` or
+    `grep` killed by SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe is found here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _quiet_closed_stdout()
     except (
         CommandError,
         OSError,
@@ -122,7 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         NotImplementedError,
         ImportError,
     ) as error:
-        print(f"eqx-train {args.command}: {one_line(error)}", file=sys.stderr)
+        text = one_line(error)
+        # The library's errors name the call they come from, here the command itself.
+        text = text.removeprefix(f"{args.command}: ")
+        print(f"eqx-train {args.command}: {text}", file=sys.stderr)
         return 1
 
 

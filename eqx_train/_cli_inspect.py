@@ -85,7 +85,18 @@ def _metadata_lines(metadata: dict[str, str]) -> list[str]:
     return lines
 
 
-def _inspect_orbax(path: str, what: str) -> None:
+def _tensor_lines(arrays: dict[str, tuple[tuple[int, ...], np.dtype]], tree: bool) -> list[str]:
+    """The tensors as a tree of names, or with `--tree` every full name under its prefixes
+    (the names `restore_checkpoint`'s `rename=` maps), after a line saying which."""
+    if tree:
+        return [
+            "tensors by name prefix (restore_checkpoint's rename= maps these):",
+            *_prefix_lines(arrays),
+        ]
+    return ["tensors:", *_tree_lines(arrays)]
+
+
+def _inspect_orbax(path: str, what: str, tree: bool) -> None:
     print(f"{path}: {what}")
     kind, names = interop.orbax_layout(path)
     if kind == "run":
@@ -106,26 +117,29 @@ def _inspect_orbax(path: str, what: str) -> None:
         total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
         label = "" if item is None else f"item {item}: "
         print(f"{label}{len(arrays)} arrays, {size_text(total)}")
-        for line in _tree_lines(arrays):
+        for line in _tensor_lines(arrays, tree) if tree else _tree_lines(arrays):
             print(line)
 
 
-def _inspect_foreign(error: ForeignCheckpoint, prefix: str) -> None:
+def _inspect_foreign(error: ForeignCheckpoint, prefix: str, tree: bool) -> None:
     path = error.path
     if error.kind == "orbax":
-        _inspect_orbax(path, error.what)
+        _inspect_orbax(path, error.what, tree)
         print(f"read it with: eqx-train convert-orbax {path} DST (or load_orbax_checkpoint)")
         return
+    files = [path]
     if os.path.isdir(path):
         print(f"{path}: {error.what} (prefix '{prefix}')")
-        for file, step in flax_steps(path, prefix):
+        listed = flax_steps(path, prefix)
+        for file, step in listed:
             print(f"  step {step:<10} {os.path.basename(file)}")
-    else:
-        arrays = interop.flax_arrays(path)
+        files = [listed[-1][0]] if tree else []  # --tree: the latest, as for our directories
+    for file in files:
+        arrays = interop.flax_arrays(file)
         total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
-        print(f"{path}: flax msgpack checkpoint, {len(arrays)} tensors, {size_text(total)}")
-        print("tensors:")
-        for line in _tree_lines(arrays):
+        label = "latest: " if file != path else ""
+        print(f"{label}{file}: flax msgpack checkpoint, {len(arrays)} tensors, {size_text(total)}")
+        for line in _tensor_lines(arrays, tree):
             print(line)
     print(f"convert it with: eqx-train convert-flax {path} DST (or load_flax_checkpoint)")
 
@@ -135,15 +149,17 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         kind, reader = (open_one if args.tree else open_path)(args.path, args.prefix)
     except ForeignCheckpoint as foreign:
-        _inspect_foreign(foreign, args.prefix)
+        _refuse_ranking(args, "an Orbax or flax checkpoint (no metrics to rank)")
+        _inspect_foreign(foreign, args.prefix, args.tree)
         return 0
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
         metadata_at = functools.partial(_metadata_at, prefix=args.prefix)
-        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode):
+        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode or "min"):
             print(line)
         return 0
     with reader:
+        _refuse_ranking(args, "one checkpoint" + (" (--tree shows one)" if args.tree else ""))
         arrays = reader.arrays()
         total = sum(math.prod(s) * d.itemsize for s, d in arrays.values())
         print(f"{args.path}: {kind}, {len(arrays)} tensors, {size_text(total)}")
@@ -154,15 +170,22 @@ def run_inspect(args: argparse.Namespace) -> int:
                 size = sum(info.nbytes for info in shard.tensors.values())
                 name = os.path.basename(path)
                 print(f"file {name}: {len(shard.tensors)} tensors, {size_text(size)}")
-        if args.tree:  # full names under their prefixes, to write a rename= from
-            print("tensors by name prefix (restore_checkpoint's rename= maps these):")
-        else:
-            print("tensors:")
-        for line in _prefix_lines(arrays) if args.tree else _tree_lines(arrays):
+        for line in _tensor_lines(arrays, args.tree):
             print(line)
         for line in key_lines(reader):
             print(line)
     return 0
+
+
+def _refuse_ranking(args: argparse.Namespace, what: str) -> None:
+    """Refuses `--best-metric`/`--mode` where there is no listing of checkpoints to rank."""
+    flags = (("--best-metric", args.best_metric), ("--mode", args.mode))
+    given = [flag for flag, value in flags if value is not None]
+    if given:
+        raise CommandError(
+            f"{' and '.join(given)}: only a directory's listing of checkpoints is ranked, and "
+            f"{args.path} is {what}; leave {'them' if len(given) > 1 else 'it'} out"
+        )
 
 
 def _metadata_at(path: str, prefix: str) -> dict[str, str]:
@@ -173,9 +196,6 @@ def _metadata_at(path: str, prefix: str) -> dict[str, str]:
         raise OSError(str(error)) from None
     with reader:
         return reader.metadata
-
-
-# ------------------------------------------------------------------------------ verify
 
 
 # ------------------------------------------------------------------------------ verify

@@ -115,14 +115,15 @@ def open_one(path: str, prefix: str) -> tuple[str, Any]:
     return kind, reader
 
 
-def flax_steps(src: str, prefix: str) -> list[tuple[str, int | float]]:
-    """(file, step) of the flax checkpoints a path stands for, oldest first."""
+def flax_steps(src: str, prefix: str) -> list[tuple[str, Any]]:
+    """(file, step) of the flax checkpoints a path stands for, oldest first; the step of a
+    file whose name holds none (not `<prefix><step>`) is None."""
     pattern = re.compile(re.escape(prefix) + r"(\d+(?:\.\d+)?)")
     if not os.path.lexists(src):
         raise CommandError(f"{src}: no such file or directory")
     if not os.path.isdir(src):
         match = pattern.fullmatch(os.path.basename(src))
-        return [(src, engine.step_from_text(match[1]) if match else 0)]
+        return [(src, engine.step_from_text(match[1]) if match else None)]
     found = []
     for entry in os.listdir(src):
         match = pattern.fullmatch(entry)

@@ -232,3 +232,50 @@ def test_python_dash_m_runs_the_command_line(tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0 and "step: 3" in result.stdout
+
+
+@pytest.mark.parametrize("tensors", [1, 2000])
+def test_inspect_into_a_pipe_closed_early_ends_quietly(tmp_path, tensors):
+    """`eqx-train inspect ... | head`: the reader is gone before (a small listing) or while
+    (a long one) the command writes; nothing on stderr, status 141 as for `cat`."""
+    path = save_checkpoint(tmp_path, {f"w{i}": np.zeros(1, np.float32) for i in range(tensors)}, 3)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `head` has read its lines and exited
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "eqx_train", "inspect", path],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == "" and result.returncode == 141
+
+
+def test_inspect_piped_into_head_prints_its_first_lines_only(tmp_path):
+    path = save_checkpoint(tmp_path, {f"w{i}": np.zeros(1, np.float32) for i in range(2000)}, 3)
+    command = f"{sys.executable} -m eqx_train inspect {path} | head -n 2"
+    result = subprocess.run(
+        ["bash", "-c", command + "; echo status ${PIPESTATUS[0]} >&2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.stdout.count("\n") == 2 and "step: 3" in result.stdout
+    assert result.stderr in ("status 141\n", "status 0\n")
+
+
+def test_inspect_refuses_ranking_options_where_there_is_no_listing_to_rank(tmp_path, capsys):
+    path = save_checkpoint(tmp_path, _tree(), 3)
+    for argv in (
+        ["inspect", path, "--best-metric", "loss"],
+        ["inspect", str(tmp_path), "--tree", "--mode", "max"],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "only a directory's listing of checkpoints is ranked" in err
+    assert main(["inspect", str(tmp_path), "--mode", "max"]) == 0

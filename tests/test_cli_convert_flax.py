@@ -80,3 +80,37 @@ def test_convert_flax_of_a_missing_path_is_one_line_exit_1(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope" in err[0]
     assert not os.path.exists(tmp_path / "eqx")
+
+
+def test_convert_flax_of_a_file_named_without_a_step_refuses_to_guess_one(tmp_path, capsys):
+    saved = _save_flax(tmp_path / "flax", 42, 1.5)
+    renamed = tmp_path / "model.msgpack"
+    os.rename(saved, renamed)
+    assert main(["convert-flax", str(renamed), str(tmp_path / "eqx")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("with --step N\n") and "checkpoint_<step>" in err
+    assert not os.path.exists(tmp_path / "eqx")
+    assert main(["convert-flax", str(renamed), str(tmp_path / "eqx"), "--step", "42"]) == 0
+    assert available_steps(tmp_path / "eqx") == [42]
+
+
+def test_convert_flax_step_names_one_file_not_a_directory(tmp_path, capsys):
+    _save_flax(tmp_path / "flax", 1, 1.0)
+    argv = ["convert-flax", str(tmp_path / "flax"), str(tmp_path / "eqx"), "--step", "3"]
+    assert main(argv) == 1
+    assert "each converted as its own step" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "eqx")
+
+
+def test_convert_flax_into_a_destination_holding_a_newer_step_refuses_before_writing(
+    tmp_path, capsys
+):
+    eqx_dir = tmp_path / "eqx"
+    save_checkpoint(eqx_dir, {"x": np.zeros(2)}, 9)
+    for step in (1, 20):
+        _save_flax(tmp_path / "flax", step, float(step))
+    assert main(["convert-flax", str(tmp_path / "flax"), str(eqx_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds step 9; the steps to convert (1, 20)" in err
+    assert "overwrite=" not in err  # the command line has no such option
+    assert available_steps(eqx_dir) == [9]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -112,6 +113,56 @@ def test_convert_orbax_without_item_on_two_items_is_one_line_listing_them(
     assert not os.path.exists(tmp_path / "dst")
 
 
+def test_convert_orbax_of_a_checkpoint_named_without_a_step_refuses_to_guess_one(tmp_path, capsys):
+    """NNX's guide saves `StandardCheckpointer().save(dir / "state", ...)`: no step in any
+    name, none in Orbax's metadata."""
+    source = tmp_path / "state"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(source, _state(5))
+    dst = tmp_path / "dst"
+    assert main(["convert-orbax", str(source), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("pass the step to save it as with --step N\n")
+    assert not os.path.exists(dst)
+    assert main(["convert-orbax", str(source), str(dst), "--step", "5"]) == 0
+    assert available_steps(dst) == [5]
+
+
+def test_convert_orbax_takes_step_zero_only_where_a_name_says_it(tmp_path):
+    from flax.training import checkpoints
+
+    checkpoints.save_checkpoint(tmp_path / "run", _state(0), step=0)
+    assert main(["convert-orbax", str(tmp_path / "run" / "checkpoint_0"), str(tmp_path / "a")]) == 0
+    assert available_steps(tmp_path / "a") == [0]
+
+
+def test_convert_orbax_step_names_one_checkpoint_not_a_run(flax_orbax_run, tmp_path, capsys):
+    assert main(["convert-orbax", str(flax_orbax_run), str(tmp_path / "dst"), "--step", "9"]) == 1
+    err = capsys.readouterr().err
+    assert "directory of Orbax steps (2), each converted as its own step" in err
+    assert not os.path.exists(tmp_path / "dst")
+
+
+def test_convert_orbax_item_messages_name_the_command_once_and_speak_flags(
+    manager_step, flax_orbax_run, tmp_path, capsys
+):
+    dst = str(tmp_path / "dst")
+    assert main(["convert-orbax", str(manager_step), dst]) == 1
+    assert capsys.readouterr().err == (
+        f"eqx-train convert-orbax: {manager_step / '3'} holds several items (extra, state); "
+        "choose one with --item NAME\n"
+    )
+    assert main(["convert-orbax", str(manager_step / "3"), dst, "--item", "ema"]) == 1
+    assert capsys.readouterr().err == (
+        f"eqx-train convert-orbax: {manager_step / '3'} has no item 'ema'; its items are "
+        "extra, state: choose one with --item NAME\n"
+    )
+    assert main(["convert-orbax", str(flax_orbax_run / "checkpoint_1"), dst, "--item", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("convert-orbax") == 1 and err.endswith("leave out --item x\n")
+    assert not os.path.exists(dst)
+
+
 def test_convert_orbax_never_deletes_what_the_destination_holds(flax_orbax_run, tmp_path, capsys):
     dst = tmp_path / "eqx_run"
     save_checkpoint(dst, {"x": np.zeros(2)}, 0)
@@ -175,6 +226,19 @@ def test_inspect_of_an_orbax_run_and_a_manager_step(flax_orbax_run, manager_step
     out = capsys.readouterr().out
     assert "CheckpointManager step with items extra, state" in out
     assert "item extra: 1 arrays, 20 B" in out and "item state: 3 arrays" in out
+
+
+def test_inspect_tree_of_orbax_lists_every_full_name_under_its_prefixes(
+    flax_orbax_run, manager_step, capsys
+):
+    assert main(["inspect", "--tree", str(flax_orbax_run / "checkpoint_2")]) == 0
+    out = capsys.readouterr().out
+    assert "tensors by name prefix" in out and re.search(r"params\.dense +2 tensors", out)
+    assert re.search(r"\n {6}params\.dense\.kernel +float32\[3, 4\]", out)
+    assert main(["inspect", "--tree", str(manager_step / "3")]) == 0
+    out = capsys.readouterr().out
+    assert "item extra: 1 arrays" in out and re.search(r"\n  position +int32\[5\]", out)
+    assert re.search(r"params\.dense\.bias +bfloat16\[4\]", out)
 
 
 # ------------------------------------------------------------------------ flax msgpack files
@@ -311,3 +375,14 @@ def test_diff_tolerance_compares_a_complex_with_a_nan_part_part_by_part(tmp_path
     )
     assert main(["diff", a, b, "--atol", "0.5"]) == 1
     assert "differs: z complex128[3]: 2 of 3 elements" in capsys.readouterr().out
+
+
+def test_inspect_tree_of_flax_msgpack_lists_full_names_of_a_file_and_a_directorys_latest(
+    flax_msgpack_file, capsys
+):
+    for path in (flax_msgpack_file, os.path.dirname(flax_msgpack_file)):
+        assert main(["inspect", "--tree", path]) == 0
+        out = capsys.readouterr().out
+        assert "tensors by name prefix" in out
+        assert re.search(r"params\.dense\.kernel +float32\[3, 4\]", out)
+        assert f"{flax_msgpack_file}: flax msgpack checkpoint, 3 tensors" in out

@@ -35,6 +35,7 @@ from .format._layouts import (
     locate as locate,
     open_reader as open_reader,
 )
+from .format._leaf_kinds import _place_key
 from .format._names import (
     FORMAT_KEY as FORMAT_KEY,
     FORMAT_NAME as FORMAT_NAME,
@@ -73,6 +74,8 @@ from .pipeline._transfer import through_window
 from .pipeline._transform import Transform as Transform
 from .storage._local import LocalStorage as LocalStorage
 from .storage._local_files import LocalSource as LocalSource, fsync_dir as fsync_dir
+
+place_key = _place_key  # a typed key from key data, placed as a target key is
 
 
 def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:

@@ -1,8 +1,9 @@
 """PyTorch-style state dicts: dotted names to arrays, and back into a pytree.
 
-Names are the ones eqx_train's checkpoint files use (`eqx_train._tree.path_to_name`), which
-are PyTorch's `state_dict` names wherever an Equinox module and its `torch.nn` counterpart
-name their fields alike.
+Names are the ones eqx_train's checkpoint files use (`eqx_train._tree.flatten_with_names`:
+key paths joined by dots, an `eqx.nn.State`'s entries named by their `StateIndex` markers),
+which are PyTorch's `state_dict` names wherever an Equinox module and its `torch.nn`
+counterpart name their fields alike.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import jax.tree_util as jtu
 import ml_dtypes
 import numpy as np
 
-from .._tree import path_to_name, place_like
-from ..checkpoints.engine import call, calling, is_prng_key, short
+from .._tree import flatten_with_names, is_state, path_to_name, place_like
+from ..checkpoints.engine import call, calling, is_prng_key, place_key, short
 
 _T = TypeVar("_T")
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
@@ -31,45 +32,72 @@ class LoadReport:
 
     **Fields:**
 
-    - `missing`: target names that the state dict has no entry for (those leaves keep the
-      target's values).
+    - `missing`: target names of weights that the state dict has no entry for (those
+      leaves keep the target's values).
     - `unexpected`: state dict names (as given, before `key_map`) that name no target leaf
       (ignored).
     - `mismatched`: target names whose state dict entry has another shape or dtype (those
       leaves keep the target's values).
+    - `kept_keys`: target names of typed PRNG keys that the state dict has no entry for:
+      those keys are the target's own, not loaded ones. A PyTorch state dict holds no keys;
+      to load one, give its key data (`jax.random.key_data`) under this name.
 
-    Each is a sorted tuple of names; all three are empty when everything loaded.
+    Each is a sorted tuple of names; all four are empty when everything loaded.
     """
 
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
+    kept_keys: tuple[str, ...] = ()
+
+
+def _is_key(leaf: Any) -> bool:
+    """A typed PRNG key, concrete or abstract (a `ShapeDtypeStruct` of a key dtype)."""
+    return is_prng_key(leaf) or (
+        isinstance(leaf, jax.ShapeDtypeStruct)
+        and jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    )
 
 
 def _is_weight(leaf: Any) -> bool:
     # Typed PRNG keys are state, not weights; Python scalars are configuration.
     return isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) and not (
-        is_prng_key(leaf) or jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        _is_key(leaf)
     )
 
 
-def _named_weights(tree: Any) -> tuple[list[tuple[str, int]], list[Any], Any]:
-    """`(name, leaf index)` for every weight leaf of `tree`, all its leaves, and its treedef."""
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+    """A tree's leaves (in `jtu.tree_flatten` order) with their names: `names` as checkpoint
+    files give them (State entries by marker), `positional` as JAX's key paths do."""
+
+    leaves: list[Any]
+    treedef: Any
+    names: list[str]
+    positional: list[str]
+
+    def loadable(self) -> list[int]:
+        """Indices of the weights and typed keys: the leaves a state dict can fill."""
+        return [i for i, leaf in enumerate(self.leaves) if _is_weight(leaf) or _is_key(leaf)]
+
+
+def _leaves(tree: Any) -> _Leaves:
+    """The leaves of `tree` with their names; refuses two loadable leaves of one name."""
     pairs, treedef = jtu.tree_flatten_with_path(tree)
-    named: list[tuple[str, int]] = []
-    seen: dict[str, int] = {}
-    for i, (path, leaf) in enumerate(pairs):
-        if not _is_weight(leaf):
-            continue
-        name = path_to_name(path)
+    named = [path_to_name(path) for path, _ in flatten_with_names(tree)]
+    found = _Leaves(
+        [leaf for _, leaf in pairs], treedef, named, [path_to_name(p) for p, _ in pairs]
+    )
+    seen: set[str] = set()
+    for i in found.loadable():
+        name = named[i]
         if name in seen:
             raise ValueError(
                 f"{call()}: two leaves of the tree have the name '{name}' (a key contains '.' "
                 "or keys differ only in type, e.g. 1 and '1'). Rename the keys."
             )
-        seen[name] = i
-        named.append((name, i))
-    return named, [leaf for _, leaf in pairs], treedef
+        seen.add(name)
+    return found
 
 
 def _conv_bias_names(tree: Any) -> set[str]:
@@ -86,9 +114,12 @@ def _conv_bias_names(tree: Any) -> set[str]:
 def to_state_dict(tree: Any) -> dict[str, np.ndarray]:
     """The array leaves of `tree` as a flat dict from dotted names to NumPy arrays.
 
-    The names are those of eqx_train's checkpoint files (`layers.0.weight`,
-    `params.dense.kernel`). For Equinox modules whose layout agrees with PyTorch's, they are
-    the `state_dict` keys of the equivalent `torch.nn` modules, so
+    The names are those of eqx_train's checkpoint files, `plan_restore` and
+    `eqx-train inspect` (`layers.0.weight`, `params.dense.kernel`); the entries of an
+    `eqx.nn.State` are named by their `StateIndex` markers, the layers' own paths
+    (`bn_state.CNN.bn.batch_counter`), not by position, so that adding a stateful layer
+    renames no other layer's statistics. For Equinox modules whose layout agrees with
+    PyTorch's, they are the `state_dict` keys of the equivalent `torch.nn` modules, so
     `torch_module.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})` works:
 
     | Equinox | PyTorch | entries |
@@ -117,11 +148,13 @@ def to_state_dict(tree: Any) -> dict[str, np.ndarray]:
     in the tree's flattening order. bfloat16 arrays keep ml_dtypes' `bfloat16` dtype.
     """
     with calling("to_state_dict"):
-        named, leaves, _ = _named_weights(tree)
+        found = _leaves(tree)
     conv_biases = _conv_bias_names(tree)
     out: dict[str, np.ndarray] = {}
-    for name, i in named:
-        leaf = leaves[i]
+    for i, leaf in enumerate(found.leaves):
+        if not _is_weight(leaf):
+            continue
+        name = found.names[i]
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise TypeError(f"to_state_dict: leaf '{name}' is a ShapeDtypeStruct, with no data.")
         array = np.array(leaf, copy=True)
@@ -160,6 +193,8 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
 
 
 def _as_numpy(name: str, value: Any) -> np.ndarray:
+    if is_prng_key(value):  # a typed key given for a typed key: its data
+        return np.asarray(jax.random.key_data(value))
     if isinstance(value, np.ndarray | np.generic | jax.Array):
         return np.asarray(value)
     if _is_torch_tensor(value):
@@ -223,13 +258,67 @@ def _describe(array: Any) -> str:
     return f"{np.dtype(array.dtype)}{list(array.shape)}"
 
 
+def _expected(leaf: Any) -> Any:
+    """What a state dict entry for `leaf` holds: the leaf, or a typed key's data (uint32
+    `(*shape, 2)` for threefry), as a shape and dtype."""
+    return jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+
+
 def _fill(leaf: Any, value: np.ndarray) -> Any:
-    value = np.array(value.reshape(leaf.shape), copy=True)  # never alias the caller's memory
+    value = np.array(value.reshape(_expected(leaf).shape), copy=True)  # never alias the caller's
+    if _is_key(leaf):
+        return place_key(value, leaf)  # the target's implementation, placed as it is
     if isinstance(leaf, np.ndarray):
         return value
     if isinstance(leaf, np.generic):
         return value[()]
     return place_like(value, leaf)
+
+
+def _state_spans(tree: Any) -> list[tuple[str, str, range]]:
+    """(name, name prefix, leaf indices) of every `eqx.nn.State` in `tree`."""
+    spans = []
+    start = 0
+    for path, node in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+        count = len(jtu.tree_leaves(node)) if is_state(node) else 1
+        if is_state(node):
+            prefix = f"{path_to_name(path)}." if path else ""
+            spans.append((path_to_name(path), prefix, range(start, start + count)))
+        start += count
+    return spans
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+
+
+def _lookup_names(tree: Any, found: _Leaves, available: Mapping[str, str]) -> list[str]:
+    """The name each leaf of `tree` is looked up by in `available`: its own name, except in
+    an `eqx.nn.State` that `available` names only by position (`bn_state.1.0`, as
+    `to_state_dict` did before it named State entries by their `StateIndex` markers), whose
+    entries are then matched by position, provided their number is the State's."""
+    names = list(found.names)
+    loadable = set(found.loadable())
+    for state_name, prefix, span in _state_spans(tree):
+        indices = [i for i in span if i in loadable]
+        if any(names[i] in available for i in indices):
+            continue
+        if not any(found.positional[i] in available for i in indices):
+            continue  # in neither form: missing
+        given = sorted(name for name in available if name.startswith(prefix))
+        if len(given) != len(indices):
+            raise ValueError(
+                f"{call()}: the state dict names the entries of the eqx.nn.State at "
+                f"'{state_name}' by position ({_some(given)}), as to_state_dict did before "
+                f"it named them by their StateIndex markers; the target's State has "
+                f"{len(indices)} entries ({_some([names[i] for i in indices])}), not "
+                f"{len(given)}: a stateful layer was added or removed, so the entries cannot "
+                "be matched to the layers by position. Rename them to the target's names "
+                "with key_map=."
+            )
+        for i in indices:
+            names[i] = found.positional[i]
+    return names
 
 
 @overload
@@ -272,17 +361,31 @@ def from_state_dict(
     """`target` with its weights replaced by the entries of `state_dict`.
 
     Every weight leaf of `target` (as `to_state_dict` names them) is looked up in
-    `state_dict` by name. Values may be NumPy arrays, JAX arrays or, where PyTorch is
-    installed, `torch.Tensor`s of any dtype NumPy or ml_dtypes has (bfloat16 and float8
-    included); tensors are converted through their buffers, never through Python lists,
-    and torch is not imported unless a value is a tensor.
+    `state_dict` by name (after `key_map`). Values may be NumPy arrays, JAX arrays or,
+    where PyTorch is installed, `torch.Tensor`s of any dtype NumPy or ml_dtypes has
+    (bfloat16 and float8 included); tensors are converted through their buffers, never
+    through Python lists, and torch is not imported unless a value is a tensor.
 
     Each loaded leaf keeps the target leaf's type (a JAX array stays a JAX array on the
     target's sharding; a `jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`, becomes a
     JAX array) and is a copy: it never shares memory with the state dict's tensors.
     Dtypes must match exactly (no silent casts: cast the state dict first); shapes must match
     up to size-1 axes, so PyTorch's (out,) convolution bias loads into Equinox's
-    (out, 1, 1). Typed PRNG keys, Python scalars and static fields keep the target's values.
+    (out, 1, 1). A loaded leaf is weakly typed where the target's is (`eqx.nn.BatchNorm`'s
+    counter), so a jitted step taking the loaded tree does not compile again.
+
+    The entries of an `eqx.nn.State` are named by their `StateIndex` markers
+    (`bn_state.CNN.bn.batch_counter`), as `to_state_dict` and checkpoint files name them.
+    State dicts from versions that named them by position (`bn_state.0`, `bn_state.1.0`)
+    still load, by position, while the State has as many entries as the state dict holds
+    there; otherwise they are refused, naming the new names.
+
+    A typed PRNG key (`jax.random.key`) loads from its key data (`jax.random.key_data`:
+    uint32 `(*shape, 2)` for the default threefry implementation) or from a key array, and
+    keeps the target key's implementation. A key the state dict has no entry for keeps the
+    target's key, in either mode, since PyTorch state dicts hold none; with `strict=False`
+    the report lists it under `kept_keys`. Python scalars and static fields always keep the
+    target's values.
 
     **Arguments:**
 
@@ -301,29 +404,35 @@ def from_state_dict(
     The filled tree if `strict`, else `(tree, report)`.
     """
     with calling("from_state_dict"):
-        named, leaves, treedef = _named_weights(target)
-    by_target, _ = _renamed(state_dict, key_map)
+        found = _leaves(target)
+        by_target, _ = _renamed(state_dict, key_map)
+        names = _lookup_names(target, found, by_target)
     missing: list[str] = []
+    kept_keys: list[str] = []
     mismatched: list[str] = []
     problems: list[str] = []
-    loaded: dict[int, Any] = {}
-    for name, i in named:
-        source = by_target.pop(name, None)
+    loaded: dict[int, np.ndarray] = {}
+    for i in found.loadable():
+        name, leaf = found.names[i], found.leaves[i]
+        source = by_target.pop(names[i], None)
         if source is None:
-            missing.append(name)
+            (kept_keys if _is_key(leaf) else missing).append(name)
             continue
         value = _as_numpy(source, state_dict[source])
-        leaf = leaves[i]
-        shape = tuple(int(d) for d in leaf.shape)
-        if np.dtype(value.dtype) != np.dtype(leaf.dtype) or not _same_layout(value.shape, shape):
+        expected = _expected(leaf)
+        shape = tuple(int(d) for d in expected.shape)
+        if np.dtype(value.dtype) != np.dtype(expected.dtype) or not _same_layout(
+            value.shape, shape
+        ):
             mismatched.append(name)
             renamed = "" if source == name else f" (from state dict entry '{source}')"
+            what = " (the data of a typed PRNG key)" if _is_key(leaf) else ""
             problems.append(
                 f"  '{name}'{renamed}: the state dict has {_describe(value)}, the target "
-                f"{_describe(leaf)}"
+                f"{_describe(expected)}{what}"
             )
             continue
-        loaded[i] = (leaf, value)
+        loaded[i] = value
     unexpected = sorted(by_target.values())
     if strict and (missing or unexpected or mismatched):
         lines = ["from_state_dict: the state dict does not fit the target."]
@@ -341,10 +450,13 @@ def from_state_dict(
             "to load what fits and get a LoadReport."
         )
         raise ValueError("\n".join(lines))
-    new_leaves = list(leaves)
-    for i, (leaf, value) in loaded.items():
-        new_leaves[i] = _fill(leaf, value)
-    tree = jtu.tree_unflatten(treedef, new_leaves)
+    new_leaves = list(found.leaves)
+    for i, value in loaded.items():
+        new_leaves[i] = _fill(found.leaves[i], value)
+    tree = jtu.tree_unflatten(found.treedef, new_leaves)
     if strict:
         return tree
-    return tree, LoadReport(tuple(sorted(missing)), tuple(unexpected), tuple(sorted(mismatched)))
+    report = LoadReport(
+        tuple(sorted(missing)), tuple(unexpected), tuple(sorted(mismatched)), tuple(kept_keys)
+    )
+    return tree, report
