@@ -183,7 +183,7 @@ def test_manager_restore_refuses_an_unknown_config_on_every_path(tmp_path, witho
     manager.save(1, _state(p=0.1, seed=1), metrics={"loss": 1.0})
     for step, fallback in [(None, True), (None, False), (1, True), ("best", True)]:
         with pytest.raises(ValueError, match=r"config must be one of .*'taget'"):
-            manager.restore(_state(p=0.3), step, config="taget", fallback=fallback)  # pyright: ignore[reportCallIssue]  # a wrong value on purpose
+            manager.restore(_state(p=0.3), step, config="taget", fallback=fallback)  # pyright: ignore[reportCallIssue, reportArgumentType]  # a wrong value on purpose
 
 
 def test_manager_restore_of_the_best_passes_config(tmp_path):
