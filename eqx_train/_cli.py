@@ -79,9 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=("min", "max"),
         help="for a directory: whether lower (min, the default) or higher metrics are better",
     )
+    _progress_option(sub, "the checkpoints of a directory as their headers are read")
     sub.set_defaults(run=run_inspect)
     sub = command("verify", "Check every tensor against its checksum; exit 1 on any mismatch.")
     sub.add_argument("path", help="a checkpoint, or a directory of checkpoints (all checked)")
+    _progress_option(sub, "the bytes checked")
     sub.set_defaults(run=run_verify)
     sub = command("diff", "Compare two checkpoints tensor by tensor; exit 1 if they differ.")
     sub.add_argument("a", help="first checkpoint (a directory: its latest)")
@@ -104,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("src", help="a flax checkpoint file or directory")
     sub.add_argument("dst", help="the eqx_train checkpoint directory to write")
     _step_option(sub, "a file whose name holds no step (<prefix><step>)")
+    _progress_option(sub, "the bytes read and written")
     sub.set_defaults(run=run_convert_flax)
     sub = command(
         "convert-orbax",
@@ -123,8 +126,19 @@ def _parser() -> argparse.ArgumentParser:
         "a checkpoint whose directory name holds no step, such as the state/ or model/ of "
         "NNX's guide (Orbax's metadata keeps none)",
     )
+    _progress_option(sub, "the bytes read and written")
     sub.set_defaults(run=run_convert_orbax)
     return parser
+
+
+def _progress_option(sub: argparse.ArgumentParser, what: str) -> None:
+    sub.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"show a progress bar of {what} on stderr, once the work has taken about a "
+        "second (default: when stderr is a terminal)",
+    )
 
 
 def _step_option(sub: argparse.ArgumentParser, needed_for: str) -> None:

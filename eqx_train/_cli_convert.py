@@ -9,7 +9,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ._cli_open import CommandError, flax_steps, one_line
+from ._cli_open import CommandError, flax_steps, one_line, show_progress
+from ._progress import reporting
 from .checkpoints.engine import CheckpointFormatError
 from .interop import engine as interop
 
@@ -65,11 +66,16 @@ def _convert_each(
             "interrupted conversion? its finished steps are valid: convert into a new DST "
             "and move them over, or pass the remaining checkpoints one by one)"
         )
+    show = show_progress(args)
     for step, source in found:
         try:
-            tree = load(source)
-            # Retention off: converting must never delete what DST already holds.
-            written = save_checkpoint(args.dst, tree, step, prefix=args.prefix, keep=2**62)
+            # One bar per checkpoint, for its reads and its write.
+            with reporting(show, f"{os.path.basename(source.rstrip('/')) or source}"):
+                tree = load(source)
+                # Retention off: converting must never delete what DST already holds.
+                written = save_checkpoint(
+                    args.dst, tree, step, prefix=args.prefix, keep=2**62, progress=show
+                )
         except (CheckpointFormatError, CommandError):
             raise
         except (OSError, ValueError, TypeError) as error:

@@ -4,14 +4,17 @@ whether every tensor still matches its checksum."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
+from . import _progress
 from ._cli_listing import key_lines, listing_lines
 from ._cli_open import (
     CommandError,
@@ -20,9 +23,11 @@ from ._cli_open import (
     one_line,
     open_one,
     open_path,
+    show_progress,
     size_text,
     spec_text,
 )
+from ._progress import reporting
 from ._text import short
 from .checkpoints import engine
 from .checkpoints.engine import CheckpointFormatError, IndexReader
@@ -155,8 +160,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     if kind == "directory":
         print(f"{args.path}: directory of {len(reader)} checkpoints (prefix '{args.prefix}')")
         metadata_at = functools.partial(_metadata_at, prefix=args.prefix)
-        for line in listing_lines(reader, metadata_at, args.best_metric, args.mode or "min"):
-            print(line)
+        with _counting(metadata_at, len(reader), show_progress(args)) as counted:
+            lines = listing_lines(reader, counted, args.best_metric, args.mode or "min")
+            for line in lines:
+                print(line)
         return 0
     with reader:
         _refuse_ranking(args, "one checkpoint" + (" (--tree shows one)" if args.tree else ""))
@@ -175,6 +182,29 @@ def run_inspect(args: argparse.Namespace) -> int:
         for line in key_lines(reader):
             print(line)
     return 0
+
+
+@contextlib.contextmanager
+def _counting(read: Callable[[str], Any], total: int, show: bool) -> Iterator[Callable[[str], Any]]:
+    """`read`, counted on a bar of the checkpoints whose headers a listing has read (drawn
+    once the listing has taken about a second: a directory of many remote checkpoints)."""
+    if not show:
+        yield read
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(
+        total=total, unit="ckpt", desc="headers", delay=_progress.BAR_DELAY_S,
+        file=sys.stderr, leave=False,
+    ) as bar:  # fmt: skip
+
+        def counted(path: str) -> Any:
+            try:
+                return read(path)
+            finally:
+                bar.update(1)
+
+        yield counted
 
 
 def _refuse_ranking(args: argparse.Namespace, what: str) -> None:
@@ -204,14 +234,17 @@ def _metadata_at(path: str, prefix: str) -> dict[str, str]:
 def _verify_reader(reader: engine.Reader) -> Iterator[str]:
     """One line per problem; nothing when every tensor matches its checksum."""
     unchecked = []
-    for path, file in reader.files().items():
+    files = reader.files()
+    _progress.expect(sum(i.nbytes for f in files.values() for i in f.tensors.values()))
+    for path, file in files.items():
         if file.tensors and not any(info.checksum for info in file.tensors.values()):
             unchecked.append(path)
-        for name in file.tensors:
+        for name, info in file.tensors.items():
             try:
                 file.read(name, verify=True)
             except CheckpointFormatError as error:
                 yield str(error)
+            _progress.advance(info.nbytes)
     for path in unchecked:
         print(f"{path}: no checksums recorded (not written by eqx_train); structure checked only")
 
@@ -221,6 +254,7 @@ def run_verify(args: argparse.Namespace) -> int:
     mismatch."""
     kind, reader = open_path(args.path, args.prefix)
     targets = [e.path for e in reader] if kind == "directory" else [args.path]
+    show = show_progress(args)
     bad = 0
     for path in targets:
         try:
@@ -229,7 +263,7 @@ def run_verify(args: argparse.Namespace) -> int:
             print(one_line(error), file=sys.stderr)
             bad += 1
             continue
-        with opened:
+        with opened, reporting(show, f"verify {os.path.basename(path.rstrip('/'))}"):
             problems = list(_verify_reader(opened))
         for line in problems:
             print(line, file=sys.stderr)

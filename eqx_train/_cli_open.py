@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,21 @@ class ForeignCheckpoint(CommandError):
                 "eqx_train.interop.load_flax_checkpoint"
             )
         super().__init__(f"{path} is {what}, not an eqx_train checkpoint; {how}")
+
+
+def show_progress(args: Any) -> bool:
+    """Whether a command draws progress bars: `--progress`/`--no-progress`, else when stderr
+    is a terminal (and tqdm is installed)."""
+    wanted = args.progress if args.progress is not None else sys.stderr.isatty()
+    if not wanted:
+        return False
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        if args.progress:
+            raise CommandError("--progress draws a tqdm bar: pip install tqdm") from None
+        return False
+    return True
 
 
 def one_line(error: BaseException) -> str:
