@@ -87,6 +87,9 @@ def soak(directory: Any, saves: int = SAVES) -> tuple[Usage, Usage]:
     """`saves` async saves of a changing 4 MiB state through a `CheckpointManager` that
     keeps 3; the process's usage after save `WARM_UP` and after the last, each sampled once
     that save is written."""
+    # Garbage of earlier tests (an executor never shut down, a file never closed) freed
+    # during the soak would take its threads or fds away from the count: freed now.
+    gc.collect()
     rows = STATE_BYTES // 4 // 4 // 1024
     state = {f"w{i}": jnp.full((rows, 1024), float(i), jnp.float32) for i in range(4)}
     with CheckpointManager(directory, keep_latest=3, async_save=True) as manager:
