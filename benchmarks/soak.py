@@ -5,13 +5,17 @@ A training loop's state (16 MiB of float32 as 4 leaves, on the default device or
 `CheckpointManager(async_save=True, keep_latest=3)`: every save writes a new file and
 retention deletes one. After the saves named by `--marks` (default 1, 10, 100, 200, ...,
 1000) the loop waits for the save in flight and samples the process: resident memory
-(RSS), threads (the kernel's count, which includes the runtime's own pools, and Python's),
-open file descriptors, and, on an accelerator, the device memory in use.
+(RSS) as the system reports it and again after glibc's `malloc_trim(0)` (malloc's free
+lists handed back; never a `gc.collect()`, so garbage waiting for the collector counts),
+threads (the kernel's count, which includes the runtime's own pools, and Python's), open
+file descriptors, and, on an accelerator, the device memory in use.
 
-The promise (issue 37): from save 100 to the last, RSS grows by at most 2% + 16 MiB (the
-size of one state: a snapshot still referenced by the allocator's free lists is no leak),
-and the thread and descriptor counts are equal. The first 100 saves are the warm-up: the
-compiler, the allocator's arenas, the thread pools and the store's connection pool settle.
+The promise (issue 37): from save 100 to the last, the trimmed RSS (the raw one where the C
+library is not glibc) grows by at most 2% + 16 MiB, and the thread and descriptor counts
+are equal. The first 100 saves are the warm-up: the compiler, the allocator, the thread
+pools and the store's connection pool settle. The highest sample after the warm-up and the
+raw RSS are printed beside the verdict: held garbage freed now and then makes a sawtooth
+that the two ends can miss (docs/benchmarks.md shows one).
 `--storage s3` runs the same loop against SeaweedFS on 127.0.0.1 (started here, as the
 tests start it). Exits with status 1 if the promise is broken.
 
