@@ -193,7 +193,12 @@ def describe(tree: Any, *, allow_global: bool = False) -> tuple[Any, list[Tensor
             "children": [[path_to_name((k,)), visit(c, (*keys, k))] for k, c in pairs],
         }
 
-    return visit(tree, ()), tensors
+    try:
+        return visit(tree, ()), tensors
+    finally:
+        # `visit` refers to itself through its closure: a reference cycle that would hold
+        # `tensors` (and so every leaf being saved) until the garbage collector next runs.
+        del visit
 
 
 def parse_description(text: str, arrays: Arrays, bad: Callable[[str], Exception]) -> Any:
