@@ -105,6 +105,8 @@ class Match:
     cast: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     # target name -> (saved shape, shape after its transform)
     transformed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # target name -> the layout convention its transform applied (a preset's label)
+    conventions: dict[str, str] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # kept: no saved tensor (strict=False)
     unused: list[str] = field(default_factory=list)
@@ -121,6 +123,9 @@ class Match:
             self.cast[slot.target] = (slot.dtype, slot.cast)
         if slot.transform is not None:
             self.transformed[slot.target] = (saved_shape, slot.shape)
+            label = getattr(slot.transform, "convention", None)
+            if isinstance(label, str):
+                self.conventions[slot.target] = label
 
 
 def _describe(shape: Any, dtype: Any) -> str:
@@ -291,6 +296,10 @@ class _Judge:
             return None
         file_shape, file_dtype = self.available[source]
         saved = _describe(file_shape, file_dtype)
+        if fn is None and _transform.layouts_differ(source, name, len(file_shape)):
+            self.found.mismatched.append(source)
+            problems.append(f"{label}: {_transform.layout_refusal(source, name)}")
+            return None
         if fn is not None:
             try:
                 after = _transform.evaluate(
@@ -308,6 +317,10 @@ class _Judge:
                 file_shape, file_dtype = after
                 saved += f", transformed to {_describe(file_shape, file_dtype)}"
         shape, dtype = _expected(kind, leaf)
+        if fn is None and dtype is not None and _transform.only_unit_axes(file_shape, shape):
+            fn = _transform.unit_axes(shape)  # accepted, and the plan says so
+            saved += f", reshaped to {_describe(shape, file_dtype)}"
+            file_shape = shape
         if dtype is not None:
             self.shared_arrays.append((file_shape, file_dtype, shape, dtype))
         # A Python scalar takes a saved value that converts exactly; a saved bool never
