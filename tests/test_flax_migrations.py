@@ -12,6 +12,8 @@ model computes flax's eval outputs, and the next training steps give flax's loss
 
 from __future__ import annotations
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -204,3 +206,89 @@ def test_batch_norm_counter_left_at_zero_diverges_after_a_step(linen_run):
         _, wrong = _eqx_cnn_step(wrong)
     logits, _ = wrong.model(X_CHW, wrong.bn_state, True)
     assert np.abs(np.asarray(logits) - expected_logits).max() > 1e-3
+
+
+# ------------------------------------------------------------------ (c) Linen + msgpack
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16)(x))
+        x = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(3)(x)
+
+
+X_MLP = jax.random.normal(jax.random.key(2), (8, 5))
+Y_MLP = jnp.arange(8) % 3
+CHAINED = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+@pytest.fixture(scope="module")
+def msgpack_run(tmp_path_factory):
+    """A Linen MLP trained 3 steps with chain(clip, adamw), saved as flax's legacy msgpack
+    file, and flax's own continuation."""
+    from flax.training import checkpoints, train_state
+
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), X_MLP)["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=CHAINED)
+
+    @jax.jit
+    def step(state):
+        def loss(params):
+            return _xent(model.apply({"params": params}, X_MLP), Y_MLP)
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return value, state.apply_gradients(grads=grads)
+
+    for _ in range(3):
+        _, state = step(state)
+    directory = tmp_path_factory.mktemp("msgpack")
+    before = flax.config.flax_use_orbax_checkpointing
+    flax.config.update("flax_use_orbax_checkpointing", False)
+    try:
+        with warnings.catch_warnings():
+            # flax's notice that its own msgpack checkpoints are on the way out.
+            warnings.filterwarnings("ignore", "Flax Checkpointing will soon be deprecated")
+            checkpoints.save_checkpoint(directory, state, step=3)
+    finally:
+        flax.config.update("flax_use_orbax_checkpointing", before)
+    expected = np.asarray(model.apply({"params": state.params}, X_MLP))
+    losses = []
+    for _ in range(3):
+        value, state = step(state)
+        losses.append(float(value))
+    return directory, expected, losses
+
+
+def _restore_msgpack(directory):
+    mlp = eqx.nn.MLP(5, 3, 16, 2, activation=jax.nn.relu, key=jax.random.key(0))
+    target = TrainState.create(model=mlp, tx=CHAINED)
+    return load_flax_checkpoint(directory, target, casting="same_kind", **flax_to_equinox(target))
+
+
+def test_msgpack_checkpoint_gives_flax_eval_outputs(msgpack_run):
+    directory, expected, _ = msgpack_run
+    state = _restore_msgpack(directory)
+    assert int(state.step) == 3
+    np.testing.assert_allclose(np.asarray(jax.vmap(state.model)(X_MLP)), expected, atol=1e-6)
+
+
+def test_msgpack_checkpoint_resumes_chained_optimiser_with_flax_losses(msgpack_run):
+    directory, _, expected_losses = msgpack_run
+    state = _restore_msgpack(directory)
+
+    @eqx.filter_jit
+    def step(state):
+        def loss(model):
+            return _xent(jax.vmap(model)(X_MLP), Y_MLP)
+
+        value, grads = eqx.filter_value_and_grad(loss)(state.model)
+        return value, state.apply_gradients(grads=grads)
+
+    losses = []
+    for _ in range(3):
+        value, state = step(state)
+        losses.append(float(value))
+    np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=1e-6)
