@@ -169,9 +169,7 @@ def linen_run(tmp_path_factory):
 
 def _restore_linen(directory):
     target = _eqx_cnn_state(optax.adam(1e-2))
-    return load_orbax_checkpoint(
-        directory, target, casting="same_kind", **flax_to_equinox(target)
-    )
+    return load_orbax_checkpoint(directory, target, casting="same_kind", **flax_to_equinox(target))
 
 
 def test_linen_manager_checkpoint_gives_flax_eval_outputs(linen_run):
@@ -292,3 +290,197 @@ def test_msgpack_checkpoint_resumes_chained_optimiser_with_flax_losses(msgpack_r
         value, state = step(state)
         losses.append(float(value))
     np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ (b) NNX
+
+
+class NNXCNN(nnx.Module):
+    def __init__(self, rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.linear1 = nnx.Linear(288, 32, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.conv2(nnx.relu(self.bn(self.conv1(x))))
+        x = self.dropout(nnx.relu(self.linear1(x.reshape((x.shape[0], -1)))))
+        return self.linear2(x)
+
+
+class EqxNNXCNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    bn: eqx.nn.BatchNorm
+    conv2: eqx.nn.Conv2d
+    dropout: eqx.nn.Dropout
+    linear1: eqx.nn.Linear
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.conv1 = eqx.nn.Conv2d(3, 8, 3, padding=1, use_bias=False, key=k[0])
+        self.bn = eqx.nn.BatchNorm(8, "batch", momentum=0.9, mode="batch")
+        self.conv2 = eqx.nn.Conv2d(8, 8, 3, padding=1, key=k[1])
+        self.dropout = eqx.nn.Dropout(0.5)
+        self.linear1 = eqx.nn.Linear(288, 32, key=k[2])
+        self.linear2 = eqx.nn.Linear(32, 4, key=k[3])
+
+    def __call__(self, x, state, key):
+        """A batch (N, C, H, W) -> logits, state; `key` None: inference."""
+        inference = key is None
+        bn = jax.vmap(
+            lambda y, s: self.bn(y, s, inference=inference),
+            axis_name="batch",
+            in_axes=(0, None),
+            out_axes=(0, None),
+        )
+        x, state = bn(jax.vmap(self.conv1)(x), state)
+        x = jax.vmap(self.conv2)(jax.nn.relu(x))
+        x = jax.nn.relu(jax.vmap(self.linear1)(x.transpose(0, 2, 3, 1).reshape(x.shape[0], -1)))
+        # On the whole batch with NNX's key, as nnx.Dropout draws its mask.
+        x = self.dropout(x, key=key, inference=inference)
+        return jax.vmap(self.linear2)(x), state
+
+
+class NNXTrainState(TrainState):
+    bn_state: eqx.nn.State
+    rng_key: jax.Array  # a typed key: NNX's Rngs stream for dropout...
+    rng_count: jax.Array  # ...and how many keys it has drawn
+
+
+def _nnx_target():
+    model, bn_state = eqx.nn.make_with_state(EqxNNXCNN)(jax.random.key(0))
+    return NNXTrainState.create(
+        model=model,
+        tx=optax.adam(1e-2),
+        bn_state=bn_state,
+        rng_key=jax.random.key(0),
+        rng_count=jnp.array(0, jnp.uint32),
+    )
+
+
+@eqx.filter_jit
+def _eqx_nnx_step(state):
+    key = jax.random.fold_in(state.rng_key, state.rng_count)  # as an NNX RngStream draws
+
+    def loss(model):
+        logits, bn_state = model(X_CHW, state.bn_state, key)
+        return _xent(logits, Y), bn_state
+
+    (value, bn_state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(state.model)
+    return value, state.apply_gradients(
+        grads=grads, bn_state=bn_state, rng_count=state.rng_count + 1
+    )
+
+
+@pytest.fixture(scope="module")
+def nnx_run(tmp_path_factory):
+    """An NNX run of 3 steps saved both ways, NNX's eval outputs, its continuation's
+    losses, and the dropout key NNX's own restore gives."""
+    model = NNXCNN(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss(model):
+            return _xent(model(X), Y)
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    for _ in range(3):
+        step(model, optimizer)
+    root = tmp_path_factory.mktemp("nnx")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(root / "state", nnx.state(model))
+    checkpointer.save(root / "optimizer", nnx.state(optimizer))
+    checkpointer.wait_until_finished()
+    manager = ocp.CheckpointManager(root / "run", item_names=("model", "optimizer"))
+    manager.save(
+        3,
+        args=ocp.args.Composite(
+            model=ocp.args.StandardSave(nnx.state(model)),
+            optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+        ),
+    )
+    manager.wait_until_finished()
+    manager.close()
+    abstract = nnx.eval_shape(lambda: NNXCNN(nnx.Rngs(0, dropout=1)))
+    restored = checkpointer.restore(root / "state", nnx.state(abstract))
+    nnx_key = jax.random.key_data(restored["dropout"]["rngs"]["key"][...])
+    model.eval()
+    expected = np.asarray(model(X))
+    model.train()
+    losses = [float(step(model, optimizer)) for _ in range(3)]
+    return root, expected, losses, np.asarray(nnx_key)
+
+
+NNX_ROOTS = {
+    "model": "model",
+    "step": "optimizer.step",
+    "opt_state": "optimizer.opt_state",
+    "rng_key": "model.dropout.rngs.key",
+    "rng_count": "model.dropout.rngs.count",
+}
+
+
+def _restore_nnx_two_items(root):
+    target = _nnx_target()
+    return load_orbax_checkpoint(
+        root / "run",
+        target,
+        item=("model", "optimizer"),
+        casting="same_kind",
+        **flax_to_equinox(target, naming="nnx", roots=NNX_ROOTS),
+    )
+
+
+def _check_nnx(state, expected, losses, nnx_key):
+    assert int(state.step) == 3
+    assert np.array_equal(np.asarray(jax.random.key_data(state.rng_key)), nnx_key)
+    logits, _ = state.model(X_CHW, state.bn_state, None)
+    np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=2e-6)
+    ours = []
+    for _ in range(3):
+        value, state = _eqx_nnx_step(state)
+        ours.append(float(value))
+    np.testing.assert_allclose(ours, losses, rtol=0, atol=2e-6)
+
+
+def test_nnx_two_item_manager_checkpoint_matches_nnx(nnx_run):
+    root, expected, losses, nnx_key = nnx_run
+    _check_nnx(_restore_nnx_two_items(root), expected, losses, nnx_key)
+
+
+def test_nnx_standard_checkpointer_checkpoints_match_nnx(nnx_run):
+    root, expected, losses, nnx_key = nnx_run
+    state = _nnx_target()
+    # The model's state: the model, its BatchNorm statistics and the dropout stream.
+    parts = (state.model, state.bn_state, state.rng_key, state.rng_count)
+    roots = {"0": "", "2": "dropout.rngs.key", "3": "dropout.rngs.count"}
+    model, bn_state, key, count = load_orbax_checkpoint(
+        root / "state",
+        parts,
+        casting="same_kind",
+        **flax_to_equinox(parts, naming="nnx", roots=roots),
+    )
+    # The optimizer's state: its step and the optax state.
+    parts = (state.step, state.opt_state)
+    step, opt_state = load_orbax_checkpoint(
+        root / "optimizer",
+        parts,
+        casting="same_kind",
+        **flax_to_equinox(parts, naming="nnx", roots={"0": "step", "1": "opt_state"}),
+    )
+    state = state.replace(
+        step=step,
+        model=model,
+        opt_state=opt_state,
+        bn_state=bn_state,
+        rng_key=key,
+        rng_count=count,
+    )
+    _check_nnx(state, expected, losses, nnx_key)

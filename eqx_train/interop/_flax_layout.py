@@ -251,7 +251,9 @@ def _table(
     model_path, model_type = found
     model = next(
         node
-        for path, node in jtu.tree_flatten_with_path(tree, is_leaf=lambda x: type(x) is model_type)[0]
+        for path, node in jtu.tree_flatten_with_path(tree, is_leaf=lambda x: type(x) is model_type)[
+            0
+        ]
         if (path_to_name(path) if path else "") == model_path
     )
     layer_names = _flax_names(model, naming, modules)
@@ -281,8 +283,9 @@ def _table(
                         tuple(leaf.shape),
                     )
                 )
-    entries += _statistics(tree, layers_of, layer_names, _prefix_map(model_path, root_map),
-                           stats_root)
+    entries += _statistics(
+        tree, layers_of, layer_names, _prefix_map(model_path, root_map), stats_root
+    )
     return entries, root_map
 
 
@@ -300,8 +303,12 @@ def _statistics(
         if not isinstance(layer, eqx.nn.BatchNorm):
             continue
         module = _join(params_root if stats_root is None else stats_root, layer_names[path])
-        for field in ("batch_state_index", "batch_counter", "ema_state_index",
-                      "ema_first_time_index"):
+        for field in (
+            "batch_state_index",
+            "batch_counter",
+            "ema_state_index",
+            "ema_first_time_index",
+        ):
             index = getattr(layer, field, None)
             if index is not None and isinstance(index.marker, str):
                 markers[index.marker] = (module, field, layer)
@@ -320,11 +327,13 @@ def _statistics(
             entries.append(_Entry(name, _join(module, stat), None, shape))
         elif field == "batch_counter":
             count = _batch_norm_counter(layer.momentum)
-            entries.append(_Entry(name, _join(module, "mean"), "counter", shape, count,
-                                  np.dtype(leaf.dtype)))
+            entries.append(
+                _Entry(name, _join(module, "mean"), "counter", shape, count, np.dtype(leaf.dtype))
+            )
         else:  # the "ema" mode's first-time flag: the statistics are there
-            entries.append(_Entry(name, _join(module, "mean"), "counter", shape, 0,
-                                  np.dtype(leaf.dtype)))
+            entries.append(
+                _Entry(name, _join(module, "mean"), "counter", shape, 0, np.dtype(leaf.dtype))
+            )
     return entries
 
 

@@ -225,8 +225,9 @@ def layouts_differ(saved_name: str, target_name: str, ndim: int) -> bool:
 def layout_refusal(saved_name: str, target_name: str) -> str:
     """Why a kernel/weight pair (`layouts_differ`) is refused, and what to pass."""
     to_equinox = saved_name.rsplit(".", 1)[-1] == _FLAX_KERNEL
-    flax, equinox = "a flax kernel (inputs first; a conv kernel HWIO)", (
-        "an Equinox weight (outputs first; a conv weight OIHW)"
+    flax, equinox = (
+        "a flax kernel (inputs first; a conv kernel HWIO)",
+        ("an Equinox weight (outputs first; a conv weight OIHW)"),
     )
     what, into = (flax, equinox) if to_equinox else (equinox, flax)
     preset = "flax_to_equinox(target)" if to_equinox else "equinox_to_flax(target, model)"
