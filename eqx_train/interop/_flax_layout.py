@@ -3,16 +3,12 @@ model that an `eqx.nn` layer holds, the flax name it is saved under and the conv
 its layout (Dense and conv kernels transposed, conv biases given their size-1 axes,
 attention projections reshaped), as the `rename=` and `transform=` that every reader takes.
 
-The conventions, flax -> Equinox:
-
-| Equinox layer | flax module | Equinox leaf <- flax leaf |
-| --- | --- | --- |
-| `Linear` | `Dense` / `nnx.Linear` | `weight` (out, in) <- `kernel` (in, out), transposed |
-| `Conv` (1-D, 2-D, 3-D) | `Conv` | `weight` (O, I, *K) <- `kernel` (*K, I, O); `bias` (O, 1, ...) <- (O,) |
-| `Embedding` | `Embed` | `weight` <- `embedding` (the same layout) |
-| `LayerNorm`, `GroupNorm`, `BatchNorm` | the same | `weight` <- `scale`, `bias` <- `bias` |
-| `MultiheadAttention` | `MultiHeadDotProductAttention` | `query_proj.weight` (H*D, in) <- `query.kernel` (in, H, D), ... `output_proj.weight` (out, H*D) <- `out.kernel` (H, D, out) |
-| `BatchNorm`'s `eqx.nn.State` | `batch_stats` (NNX: beside the parameters) | running mean and variance <- `mean`, `var`; the counter set (below) |
+The conventions, flax -> Equinox (the migration guide, docs/coming_from_flax.md, has the
+table): a Dense kernel (in, out) transposed into a `Linear` weight (out, in); a conv kernel
+(*spatial, in, out) into a `Conv` weight (out, in, *spatial), its bias (out,) given size-1
+axes; `Embed`'s `embedding` is an `Embedding`'s `weight`; a norm's `scale` its `weight`;
+attention kernels (in, heads, head_dim) reshaped into `MultiheadAttention`'s projections;
+`BatchNorm`'s `mean` and `var` into its `eqx.nn.State`, with the counter set.
 """
 
 from __future__ import annotations
@@ -116,7 +112,7 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, tuple[int, ...]], A
 }
 
 # Equinox layer -> (flax's default Linen name, {Equinox leaf: (flax leaf, kind or None)})
-_NORM = {"weight": ("scale", None), "bias": ("bias", None)}
+_NORM: dict[str, tuple[str, str | None]] = {"weight": ("scale", None), "bias": ("bias", None)}
 
 
 def _layers() -> dict[type, tuple[str, dict[str, tuple[str, str | None]]]]:

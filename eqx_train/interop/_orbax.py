@@ -43,8 +43,8 @@ from ._orbax_metadata import (
     Leaf,
     check_files,
     parse_metadata,
-    unwrap_nnx,
     read_json,
+    unwrap_nnx,
     walk,
 )
 
@@ -266,7 +266,7 @@ class OrbaxReader:
         table = read_json(path, "it", bad)
         if not isinstance(table, dict):
             raise bad("it is not a JSON object")
-        for name, stored in wanted.items():
+        for stored in wanted.values():
             if not isinstance(table.get(stored), str):
                 raise bad(f"it has no string for leaf {short(stored)}")
         return {name: table[stored] for name, stored in wanted.items()}

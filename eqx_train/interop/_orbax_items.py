@@ -66,7 +66,7 @@ class ItemsReader:
         self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
     ) -> dict[str, np.ndarray]:
         found: dict[str, np.ndarray] = {}
-        for item, reader in self.readers.items():
+        for reader in self.readers.values():
             mine = [n for n in names if self._where[n][0] is reader]
             if mine:
                 read = reader.read_many([self._where[n][1] for n in mine], verify=verify)
