@@ -152,7 +152,7 @@ def test_optimizer_moments_and_rngs_fill_a_train_state(saved):
     np.testing.assert_array_equal(adam.mu.linear.weight, nnx_adam.mu["linear"]["kernel"][...].T)
     np.testing.assert_array_equal(adam.nu.linear.bias, nnx_adam.nu["linear"]["bias"][...])
     # Rngs: the raw key data as a typed key, equal to NNX's own; the count as it was.
-    assert jax.dtypes.issubdtype(state.key.dtype, jax.dtypes.prng_key)
+    assert jnp.issubdtype(state.key.dtype, jax.dtypes.prng_key)
     np.testing.assert_array_equal(
         jax.random.key_data(state.key), jax.random.key_data(model.dropout.rngs.key[...])
     )
