@@ -372,9 +372,19 @@ def flax_to_equinox(
     moments, an `eqx.nn.State`): pass them with `**` to any reader.
 
     ```python
-    model = eqx_train.interop.load_flax_checkpoint(
-        path, model, **eqx_train.interop.flax_to_equinox(model)
-    )
+    import equinox as eqx
+    import jax
+    import numpy as np
+    from eqx_train.checkpoints import restore_checkpoint, save_checkpoint
+    from eqx_train.interop import flax_to_equinox
+
+    kernel = np.arange(6.0, dtype=np.float32).reshape(2, 3)  # a flax Dense kernel: (in, out)
+    dense = {"kernel": kernel, "bias": np.zeros(3, np.float32)}
+    save_checkpoint("weights", {"params": {"Dense_0": dense}}, step=0)
+
+    model = eqx.nn.Linear(2, 3, key=jax.random.key(0))
+    model = restore_checkpoint("weights", model, **flax_to_equinox(model))
+    assert (model.weight == kernel.T).all()  # (out, in)
     ```
 
     Every leaf an `eqx.nn` layer holds gets its flax name and layout (the table on the
