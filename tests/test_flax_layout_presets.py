@@ -245,3 +245,18 @@ def test_size_one_axes_never_reorder_values(tmp_path):
     path = _save(tmp_path, {"w": np.zeros((8, 2), np.float32)})
     plan = plan_restore(path, {"w": jnp.zeros((2, 8, 1))})
     assert not plan.ok and "(8, 2)" in plan.problems[0]
+
+
+def test_conv_kernel_whose_shape_hides_its_layout_is_refused(tmp_path):
+    kernel = np.arange(81, dtype=np.float32).reshape(3, 3, 3, 3)  # (H, W, in, out)
+    path = _save(tmp_path, {"Conv_0": {"kernel": kernel, "bias": np.zeros(3, np.float32)}})
+    target = eqx.nn.Conv2d(3, 3, 3, key=KEY)
+    rename = {"weight": "Conv_0.kernel", "bias": "Conv_0.bias"}
+    plan = plan_restore(path, target, rename=rename)
+    assert any("'weight'" in p and "untransposed" in p for p in plan.problems)
+
+
+def test_non_square_flax_kernel_refusal_names_the_preset(tmp_path):
+    path = _save(tmp_path, {"Dense_0": {"kernel": np.zeros((4, 8), np.float32)}})
+    plan = plan_restore(path, {"weight": jnp.zeros((8, 4))}, rename={"weight": "Dense_0.kernel"})
+    assert "permutation" in plan.problems[0] and "flax_to_equinox" in plan.problems[0]

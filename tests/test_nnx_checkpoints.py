@@ -16,7 +16,7 @@ import pytest
 
 from eqx_train import TrainState
 from eqx_train._cli import main
-from eqx_train.checkpoints import plan_restore, restore_checkpoint
+from eqx_train.checkpoints import PartialRestoreWarning, plan_restore, restore_checkpoint
 from eqx_train.interop import flax_to_equinox, load_orbax_checkpoint
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -157,3 +157,11 @@ def test_optimizer_moments_and_rngs_fill_a_train_state(saved):
         jax.random.key_data(state.key), jax.random.key_data(model.dropout.rngs.key[...])
     )
     assert int(state.count) == int(model.dropout.rngs.count[...])
+
+
+def test_target_naming_the_value_wrappers_reads_them_as_saved(saved):
+    root, model, _ = saved
+    target = {"linear": {"kernel": {"value": jnp.zeros((3, 2))}}}
+    with pytest.warns(PartialRestoreWarning, match="'linear.bias.value'"):
+        loaded = load_orbax_checkpoint(root / "state", target, strict=False)
+    np.testing.assert_array_equal(loaded["linear"]["kernel"]["value"], model.linear.kernel[...])

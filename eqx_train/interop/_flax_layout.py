@@ -13,6 +13,7 @@ attention kernels (in, heads, head_dim) reshaped into `MultiheadAttention`'s pro
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ _KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any, tuple[int, ...]], A
 _NORM: dict[str, tuple[str, str | None]] = {"weight": ("scale", None), "bias": ("bias", None)}
 
 
+@functools.cache
 def _layers() -> dict[type, tuple[str, dict[str, tuple[str, str | None]]]]:
     nn = eqx.nn
     projections: dict[str, tuple[str, str | None]] = {}
@@ -387,11 +389,11 @@ def flax_to_equinox(
     assert (model.weight == kernel.T).all()  # (out, in)
     ```
 
-    Every leaf an `eqx.nn` layer holds gets its flax name and layout (the table on the
-    [interop API page](../api/interop.md)): a Dense kernel (in, out) is transposed into a
-    `Linear` weight (out, in), a conv kernel (*spatial, in, out) into a `Conv` weight
-    (out, in, *spatial), a conv bias (out,) gets its size-1 axes, attention kernels are
-    reshaped into `MultiheadAttention`'s projections. `plan_restore` with the same
+    Every leaf an `eqx.nn` layer holds gets its flax name and layout (the table in
+    [the migration guide](../coming_from_flax.md#layouts)): a Dense kernel (in, out) is
+    transposed into a `Linear` weight (out, in), a conv kernel (*spatial, in, out) into a
+    `Conv` weight (out, in, *spatial), a conv bias (out,) gets its size-1 axes, attention
+    kernels are reshaped into `MultiheadAttention`'s projections. `plan_restore` with the same
     arguments shows each conversion. Every other leaf keeps its name, under `roots`.
 
     A `BatchNorm`'s running mean and variance come from flax's `mean` and `var`; its

@@ -23,9 +23,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jtu = LazyModule("jax.tree_util")
 
 from ..checkpoints import engine
 from ..checkpoints.engine import (
@@ -81,14 +88,17 @@ class OrbaxReader:
 
     has_description = False  # no eqx_train tree description: Orbax has its own
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, unwrap: bool = True):
+        """`unwrap`: name NNX's tensors without their `.value` wrappers (`unwrap_nnx`)."""
         self.path = directory
         self.metadata: dict[str, str] = {}  # no safetensors metadata
         self._ts = _tensorstore()
         check_files(directory, self.bad)  # first: nothing is read through a link out of it
         found = parse_metadata(directory, self.bad)
         self.use_ocdbt, self.use_zarr3 = found.use_ocdbt, found.use_zarr3
-        self.fill_missing, self.leaves = found.fill_missing, unwrap_nnx(found.leaves)
+        self.fill_missing, self.leaves = found.fill_missing, found.leaves
+        if unwrap:
+            self.leaves = unwrap_nnx(self.leaves)
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -411,12 +421,21 @@ def load_orbax_checkpoint(
             transform=transform,
             verify=False,
         ).check(target)
+        # A target that names NNX's wrappers itself (an `nnx.State`) reads them as saved.
+        unwrap = target is None or not any(
+            isinstance(p[-1], jtu.GetAttrKey | jtu.DictKey)
+            and str(getattr(p[-1], "name", getattr(p[-1], "key", ""))) == "value"
+            for p, _ in jtu.tree_flatten_with_path(target)[0]
+            if p
+        )
         if item is not None and not isinstance(item, str):
             from ._orbax_items import open_items
 
-            opened: Any = open_items(os.fspath(path), list(item))
+            opened: Any = open_items(
+                os.fspath(path), list(item), lambda d: OrbaxReader(d, unwrap=unwrap)
+            )
         else:
-            opened = OrbaxReader(resolve(os.fspath(path), item))
+            opened = OrbaxReader(resolve(os.fspath(path), item), unwrap=unwrap)
         with opened as reader:
             if target is None:
                 return reader.tree()

@@ -6,14 +6,17 @@ the model's state and the optimizer's as two items (`model`, `optimizer`), and a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..checkpoints.engine import CheckpointFormatError
-from ._orbax import OrbaxReader
 from ._orbax_layout import resolve
+
+# An item's reader: `_orbax.OrbaxReader` (given by the caller: this module is imported by
+# that one, never the other way).
+OrbaxReader = Any
 
 
 class ItemsReader:
@@ -77,9 +80,11 @@ class ItemsReader:
         return {item: reader.tree() for item, reader in self.readers.items()}
 
 
-def open_items(path: str, items: Sequence[str]) -> ItemsReader:
+def open_items(
+    path: str, items: Sequence[str], opener: Callable[[str], OrbaxReader]
+) -> ItemsReader:
     """The `items` of the `CheckpointManager` step at `path` (or of a run's latest step) as
-    one reader.
+    one reader, each item's opened by `opener` (its directory -> its reader).
 
     **Raises:**
 
@@ -95,7 +100,7 @@ def open_items(path: str, items: Sequence[str]) -> ItemsReader:
     readers: dict[str, OrbaxReader] = {}
     try:
         for item, directory in directories.items():
-            readers[item] = OrbaxReader(directory)
+            readers[item] = opener(directory)
     except BaseException:
         for reader in readers.values():
             reader.close()

@@ -296,7 +296,9 @@ class _Judge:
             return None
         file_shape, file_dtype = self.available[source]
         saved = _describe(file_shape, file_dtype)
-        if fn is None and _transform.layouts_differ(source, name, len(file_shape)):
+        if fn is None and _transform.layouts_differ(
+            source, name, file_shape, _expected(kind, leaf)[0]
+        ):
             self.found.mismatched.append(source)
             problems.append(f"{label}: {_transform.layout_refusal(source, name)}")
             return None
@@ -342,6 +344,7 @@ class _Judge:
             )
             if fn is None and file_shape != shape:
                 why += _transform.permutation_hint(name, tuple(file_shape), shape)
+                why += _transform.layout_hint(source, name)
             problems.append(f"{label}: file has {saved}, target expects {expectation}{why}")
             return None
         return Slot(

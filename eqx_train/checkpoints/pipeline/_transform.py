@@ -211,15 +211,34 @@ def unit_axes(shape: Shape) -> Reshape:
 _FLAX_KERNEL, _EQUINOX_WEIGHT = "kernel", "weight"
 
 
-def layouts_differ(saved_name: str, target_name: str, ndim: int) -> bool:
-    """Whether a saved tensor of `ndim` axes named like a flax kernel fills a leaf named
-    like an Equinox weight, or the other way (renamed, with no transform): taken as saved,
-    a square kernel would load untransposed and silently compute something else."""
+def layouts_differ(saved_name: str, target_name: str, saved: Shape, target: Shape) -> bool:
+    """Whether a saved tensor named like a flax kernel fills a leaf named like an Equinox
+    weight, or the other way (renamed, with no transform), with a shape that converting the
+    layout leaves as it is (a square Dense kernel; a conv kernel as many channels in as
+    out, as wide as it is deep): the shapes cannot tell the layouts apart, and taken as
+    saved the kernel would load untransposed and silently compute something else."""
     ends = (saved_name.rsplit(".", 1)[-1], target_name.rsplit(".", 1)[-1])
-    return ndim >= 2 and ends in (
-        (_FLAX_KERNEL, _EQUINOX_WEIGHT),
-        (_EQUINOX_WEIGHT, _FLAX_KERNEL),
-    )
+    saved, target = tuple(saved), tuple(target)
+    if len(saved) < 2 or saved != target:
+        return False
+    if ends == (_FLAX_KERNEL, _EQUINOX_WEIGHT):  # (*K, I, O) -> (O, I, *K)
+        return (saved[-1], saved[-2], *saved[:-2]) == saved
+    if ends == (_EQUINOX_WEIGHT, _FLAX_KERNEL):  # (O, I, *K) -> (*K, I, O)
+        return (*saved[2:], saved[1], saved[0]) == saved
+    return False
+
+
+def layout_hint(saved_name: str, target_name: str) -> str:
+    """For a flax kernel refused for an Equinox weight's shape (or the other way), the
+    layout preset that converts it, as the end of the refusal; else ""."""
+    ends = (saved_name.rsplit(".", 1)[-1], target_name.rsplit(".", 1)[-1])
+    if ends == (_FLAX_KERNEL, _EQUINOX_WEIGHT):
+        return "; a flax kernel: the layout preset eqx_train.interop.flax_to_equinox converts it"
+    if ends == (_EQUINOX_WEIGHT, _FLAX_KERNEL):
+        return (
+            "; an Equinox weight: the layout preset eqx_train.interop.equinox_to_flax converts it"
+        )
+    return ""
 
 
 def layout_refusal(saved_name: str, target_name: str) -> str:
