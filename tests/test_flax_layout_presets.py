@@ -260,3 +260,25 @@ def test_non_square_flax_kernel_refusal_names_the_preset(tmp_path):
     path = _save(tmp_path, {"Dense_0": {"kernel": np.zeros((4, 8), np.float32)}})
     plan = plan_restore(path, {"weight": jnp.zeros((8, 4))}, rename={"weight": "Dense_0.kernel"})
     assert "permutation" in plan.problems[0] and "flax_to_equinox" in plan.problems[0]
+
+
+@pytest.mark.parametrize("mode", ["batch", "ema"])
+def test_batch_norm_statistics_give_flax_inference_outputs(tmp_path, mode):
+    x = jax.random.normal(jax.random.key(1), (6, 4))
+    norm = nn.BatchNorm(use_running_average=True)
+    variables = norm.init(KEY, x)
+    variables = jax.tree.map(lambda a: a + jax.random.uniform(KEY, a.shape), variables)
+    path = _save(tmp_path, variables)  # {"params": {scale, bias}, "batch_stats": {mean, var}}
+
+    class Eqx(eqx.Module):
+        bn: eqx.nn.BatchNorm
+
+    model, state = eqx.nn.make_with_state(Eqx)(eqx.nn.BatchNorm(4, "batch", mode=mode))
+    layout = flax_to_equinox((model, state), modules={"bn": ""})
+    plan = plan_restore(path, (model, state), **layout)
+    assert plan.ok, plan.problems
+    model, state = restore_checkpoint(path, (model, state), **layout)
+    ours, _ = jax.vmap(
+        lambda y: model.bn(y, state, inference=True), axis_name="batch", out_axes=(0, None)
+    )(x)
+    np.testing.assert_allclose(ours, norm.apply(variables, x), atol=1e-5)
