@@ -165,8 +165,8 @@ def _batch_norm_counter(momentum: float) -> int:
     return int(math.ceil(760.0 / -math.log(momentum)))
 
 
-def _model_root(tree: Any) -> tuple[str, type] | None:
-    """The path and type of the model inside `tree`: the first Equinox module (not a
+def _model_root(tree: Any) -> tuple[str, Any] | None:
+    """The path and value of the model inside `tree`: the first Equinox module (not a
     `TrainState`) that is or holds an `eqx.nn` layer."""
     from ..train_state import TrainState
 
@@ -175,7 +175,7 @@ def _model_root(tree: Any) -> tuple[str, type] | None:
 
     for path, node in jtu.tree_flatten_with_path(tree, is_leaf=is_model)[0]:
         if is_model(node) and _find_layers(node):
-            return ("" if not path else path_to_name(path)), type(node)
+            return ("" if not path else path_to_name(path)), node
     return None
 
 
@@ -246,14 +246,8 @@ def _table(
             "flax layout: the target holds no eqx.nn layer that the layout conventions cover "
             "(Linear, Conv, Embedding, LayerNorm, GroupNorm, BatchNorm, MultiheadAttention)."
         )
-    model_path, model_type = found
-    model = next(
-        node
-        for path, node in jtu.tree_flatten_with_path(tree, is_leaf=lambda x: type(x) is model_type)[
-            0
-        ]
-        if (path_to_name(path) if path else "") == model_path
-    )
+    model_path, model = found
+    model_type = type(model)
     layer_names = _flax_names(model, naming, modules)
     root_map = dict({model_path: "params"} if naming == "linen" else {})
     root_map.update(roots or {})
