@@ -42,8 +42,18 @@ class FlaxLayout(TypedDict):
 
 
 class Convention:
-    """One layout conversion of one leaf: `fn` on the saved tensor, then reshaped to the
-    leaf's `shape` when the two differ only in size-1 axes. `convention` names it."""
+    """One layout conversion of one leaf, as a `transform=` entry: `fn` on the saved
+    tensor, then a reshape to the leaf's `shape` where the two differ only in size-1 axes.
+    `plan_restore` shows its `convention` beside the leaf (any transform with a
+    `convention` string attribute is shown so).
+
+    **Arguments:**
+
+    - `convention`: what it converts, e.g. "flax Dense kernel (in, out) <-> Linear weight
+      (out, in)".
+    - `fn`: `array -> array`, traceable (it is first evaluated by `jax.eval_shape`).
+    - `shape`: the shape of the leaf it fills.
+    """
 
     def __init__(self, convention: str, fn: Callable[[Any], Any], shape: tuple[int, ...]):
         self.convention, self.fn, self.shape = convention, fn, tuple(shape)
