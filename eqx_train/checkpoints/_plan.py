@@ -43,6 +43,9 @@ class RestorePlan:
       refuses naming that call.
     - `transformed`: target name -> (saved shape, shape after `transform`), for the taken
       leaves that `transform` changes on the way in.
+    - `conventions`: target name -> the layout convention its transform applied (a layout
+      preset's, e.g. "flax Dense kernel (in, out) -> Linear weight (out, in)", or the
+      reshape of a saved tensor that differs only in size-1 axes).
     """
 
     path: str
@@ -53,6 +56,7 @@ class RestorePlan:
     problems: list[str]
     call: str = "restore_checkpoint"
     transformed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    conventions: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +73,8 @@ class RestorePlan:
             if name in self.transformed:
                 before, after = self.transformed[name]
                 actions.append(f"transformed {before} -> {after}")
+                if name in self.conventions:
+                    actions[-1] += f" ({self.conventions[name]})"
             if name in self.cast:
                 before, after = self.cast[name]
                 actions.append(f"cast {before} -> {after}")
@@ -177,4 +183,5 @@ def _plan(
             list(found.problems),
             call_name,
             dict(found.transformed),
+            dict(found.conventions),
         )

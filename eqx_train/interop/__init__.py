@@ -6,6 +6,12 @@ from typing import TYPE_CHECKING
 from .._lazy import exports
 
 if TYPE_CHECKING:
+    from ._flax_layout import (
+        Convention as Convention,
+        FlaxLayout as FlaxLayout,
+        equinox_to_flax as equinox_to_flax,
+        flax_to_equinox as flax_to_equinox,
+    )
     from ._flax_load import load_flax_checkpoint as load_flax_checkpoint
     from ._hf import load_sharded as load_sharded, save_sharded as save_sharded
     from ._orbax import load_orbax_checkpoint as load_orbax_checkpoint
@@ -19,7 +25,11 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = exports(
     __name__,
     {
+        "Convention": "_flax_layout",
+        "FlaxLayout": "_flax_layout",
         "LoadReport": "_state_dict",
+        "equinox_to_flax": "_flax_layout",
+        "flax_to_equinox": "_flax_layout",
         "from_state_dict": "_state_dict",
         "load_flax_checkpoint": "_flax_load",
         "load_orbax_checkpoint": "_orbax",
@@ -30,7 +40,11 @@ __getattr__, __dir__ = exports(
 )
 
 __all__ = [
+    "Convention",
+    "FlaxLayout",
     "LoadReport",
+    "equinox_to_flax",
+    "flax_to_equinox",
     "from_state_dict",
     "load_flax_checkpoint",
     "load_orbax_checkpoint",

@@ -23,9 +23,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax.tree_util as jtu
+else:  # imported on first use: the command line reads headers without JAX
+    from .._lazy import LazyModule
+
+    jtu = LazyModule("jax.tree_util")
 
 from ..checkpoints import engine
 from ..checkpoints.engine import (
@@ -44,6 +51,7 @@ from ._orbax_metadata import (
     check_files,
     parse_metadata,
     read_json,
+    unwrap_nnx,
     walk,
 )
 
@@ -80,7 +88,8 @@ class OrbaxReader:
 
     has_description = False  # no eqx_train tree description: Orbax has its own
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, unwrap: bool = True):
+        """`unwrap`: name NNX's tensors without their `.value` wrappers (`unwrap_nnx`)."""
         self.path = directory
         self.metadata: dict[str, str] = {}  # no safetensors metadata
         self._ts = _tensorstore()
@@ -88,6 +97,8 @@ class OrbaxReader:
         found = parse_metadata(directory, self.bad)
         self.use_ocdbt, self.use_zarr3 = found.use_ocdbt, found.use_zarr3
         self.fill_missing, self.leaves = found.fill_missing, found.leaves
+        if unwrap:
+            self.leaves = unwrap_nnx(self.leaves)
         self._open_arrays()
 
     def bad(self, why: str) -> CheckpointFormatError:
@@ -163,11 +174,13 @@ class OrbaxReader:
         ts = self._ts
         context = ts.Context(_TS_CONTEXT)
         wanted = [
-            leaf.name for leaf in self.leaves if leaf.value_type in ARRAY_TYPES and not leaf.skip
+            (leaf.name, leaf.stored)
+            for leaf in self.leaves
+            if leaf.value_type in ARRAY_TYPES and not leaf.skip
         ]
         pending = [
-            (name, ts.open(self._spec(name), context=context, open=True, read=True))
-            for name in wanted
+            (name, ts.open(self._spec(stored), context=context, open=True, read=True))
+            for name, stored in wanted
         ]
         self._stores: dict[str, Any] = {}
         self._shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -250,7 +263,7 @@ class OrbaxReader:
 
     def strings(self) -> dict[str, str]:
         """The string leaves, by name (`_strings.json`)."""
-        wanted = [leaf.name for leaf in self.leaves if leaf.value_type == "string"]
+        wanted = {leaf.name: leaf.stored for leaf in self.leaves if leaf.value_type == "string"}
         if not wanted:
             return {}
         path = os.path.join(self.path, _STRINGS_NAME)
@@ -263,10 +276,10 @@ class OrbaxReader:
         table = read_json(path, "it", bad)
         if not isinstance(table, dict):
             raise bad("it is not a JSON object")
-        for name in wanted:
-            if not isinstance(table.get(name), str):
-                raise bad(f"it has no string for leaf {short(name)}")
-        return {name: table[name] for name in wanted}
+        for stored in wanted.values():
+            if not isinstance(table.get(stored), str):
+                raise bad(f"it has no string for leaf {short(stored)}")
+        return {name: table[stored] for name, stored in wanted.items()}
 
     def tree(self) -> Any:
         """The whole checkpoint as orbax restores it without a target: nested dicts (and
@@ -339,7 +352,7 @@ def load_orbax_checkpoint(
     path: str | os.PathLike[str],
     target: Any = None,
     *,
-    item: str | None = None,
+    item: str | Sequence[str] | None = None,
     strict: bool = True,
     rename: engine.Rename = None,
     casting: engine.Casting = "no",
@@ -367,7 +380,13 @@ def load_orbax_checkpoint(
       mismatched path; `jax.Array` and `jax.ShapeDtypeStruct` leaves come back with the
       target's sharding; non-array leaves are kept from the target.
     - `item`: the item of a `CheckpointManager` step to read (required when the step has
-      several).
+      several), or several items (a tuple of names) to read as one tree whose tensors are
+      named under their item's name: `item=("model", "optimizer")` reads an NNX model
+      and its `nnx.Optimizer` saved as two items into one `TrainState` in one call
+      (`model.conv1.kernel`, `optimizer.step`, ...).
+
+    NNX's state (`nnx.state(model)` saved with `ocp.StandardCheckpointer`) is read without
+    its `.value` wrappers: the tensor `conv1.kernel.value` is named `conv1.kernel`.
     - `strict`, `rename`, `casting`, `filter_spec`, `transform`: as for
       `restore_checkpoint`, for a target whose names, dtypes, layouts or size differ from
       the saved tree's (`plan_restore` on the same path shows what a load will do).
@@ -402,8 +421,22 @@ def load_orbax_checkpoint(
             transform=transform,
             verify=False,
         ).check(target)
-        directory = resolve(os.fspath(path), item)
-        with OrbaxReader(directory) as reader:
+        # A target that names NNX's wrappers itself (an `nnx.State`) reads them as saved.
+        unwrap = target is None or not any(
+            isinstance(p[-1], jtu.GetAttrKey | jtu.DictKey)
+            and str(getattr(p[-1], "name", getattr(p[-1], "key", ""))) == "value"
+            for p, _ in jtu.tree_flatten_with_path(target)[0]
+            if p
+        )
+        if item is not None and not isinstance(item, str):
+            from ._orbax_items import open_items
+
+            opened: Any = open_items(
+                os.fspath(path), list(item), lambda d: OrbaxReader(d, unwrap=unwrap)
+            )
+        else:
+            opened = OrbaxReader(resolve(os.fspath(path), item), unwrap=unwrap)
+        with opened as reader:
             if target is None:
                 return reader.tree()
             return engine.restore_with(reader, target, options)

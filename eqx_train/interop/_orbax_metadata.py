@@ -39,12 +39,22 @@ def read_json(path: str, what: str, bad: Any) -> Any:
 
 
 class Leaf:
-    """One entry of `_METADATA`: its keys (with their types) and what it holds."""
+    """One entry of `_METADATA`: its keys (with their types) and what it holds; `stored`:
+    the name its array is stored under (its keys joined, before NNX's `value` was
+    unwrapped)."""
 
-    __slots__ = ("keys", "kinds", "value_type", "skip")
+    __slots__ = ("keys", "kinds", "value_type", "skip", "stored")
 
-    def __init__(self, keys: tuple[str, ...], kinds: tuple[int, ...], value_type: str, skip: bool):
+    def __init__(
+        self,
+        keys: tuple[str, ...],
+        kinds: tuple[int, ...],
+        value_type: str,
+        skip: bool,
+        stored: str | None = None,
+    ):
         self.keys, self.kinds, self.value_type, self.skip = keys, kinds, value_type, skip
+        self.stored = ".".join(keys) if stored is None else stored
 
     @property
     def name(self) -> str:
@@ -119,6 +129,28 @@ def parse_metadata(path: str, bad: Callable[[str], CheckpointFormatError]) -> Or
             raise bad_metadata(f"two leaves are both named {short(leaf.name)}")
         names.add(leaf.name)
     return OrbaxMetadata(use_ocdbt, use_zarr3, fill_missing, kept)
+
+
+def unwrap_nnx(leaves: list[Leaf]) -> list[Leaf]:
+    """`leaves` without NNX's `value` wrapper, when every leaf holding data is one: the
+    state of an NNX module (`nnx.state(model)`) saves each `Variable` as a dict holding
+    only `value`, so `conv1.kernel.value` is the tensor `conv1.kernel`. Any other tree is
+    returned as it is."""
+    holding = [leaf for leaf in leaves if leaf.value_type not in EMPTY]
+    if not holding or not all(
+        len(leaf.keys) > 1 and leaf.keys[-1] == "value" and leaf.kinds[-1] == DICT
+        for leaf in holding
+    ):
+        return leaves
+    wrapped = {leaf.keys[:-1] for leaf in holding}
+    if any(leaf.keys[:-1] in wrapped for leaf in leaves if leaf.value_type in EMPTY):
+        return leaves  # a Variable holding something beside its value: not NNX's
+    return [
+        Leaf(leaf.keys[:-1], leaf.kinds[:-1], leaf.value_type, leaf.skip, leaf.stored)
+        if leaf.value_type not in EMPTY
+        else leaf
+        for leaf in leaves
+    ]
 
 
 def _leaf(label: str, entry: Any, bad: Any) -> Leaf:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -141,64 +142,69 @@ def _add_tensor(
 def describe(tree: Any, *, allow_global: bool = False) -> tuple[Any, list[Tensor]]:
     """The JSON description of `tree` and its tensors in order. Raises, before anything is
     written, naming the leaf path, for what cannot be saved faithfully."""
-    tensors: list[Tensor] = []
-    seen: set[str] = set()
+    state = _Described(allow_global)
+    return _visit(tree, (), state), state.tensors
 
-    def visit(node: Any, keys: tuple[Any, ...]) -> Any:
-        if len(keys) > MAX_DEPTH:
-            raise ValueError(
-                f"{call()}: the tree is nested more than {MAX_DEPTH} levels deep at "
-                f"'{path_to_name(keys)}'."
-            )
-        if node is None:
-            return None
-        if isinstance(node, np.ma.MaskedArray) or (
-            isinstance(node, numbers.Number)
-            and not isinstance(node, np.generic | int | float | complex)
-        ):
-            raise TypeError(
-                f"{call()}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
-                "be saved faithfully (Decimal, Fraction and masked arrays are refused rather "
-                "than dropped); convert it to an array of a supported dtype."
-            )
-        kind = kind_of(node)
-        if kind is not None:
-            return _add_tensor(keys, kind, node, tensors, seen, allow_global)
-        if isinstance(node, str):
-            return {"str": node}
-        pairs = _children(node)
-        if pairs is None:
-            return {"skipped": type(node).__qualname__}
-        if isinstance(node, dict):
-            entries = []
-            for key, child in pairs:
-                raw = key.key
-                if not isinstance(raw, str | int) or isinstance(raw, bool):
-                    raise TypeError(
-                        f"{call()}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
-                        f"{type(raw).__name__}; only str and int keys can be saved."
-                    )
-                entries.append(
-                    [
-                        str.__str__(raw) if isinstance(raw, str) else int(raw),
-                        visit(child, (*keys, key)),
-                    ]
+
+@dataclass
+class _Described:
+    """What one `describe` gathers as it walks the tree. A plain object passed down, not a
+    closure over a recursive inner function: that would be a reference cycle holding every
+    leaf being saved until the garbage collector next ran."""
+
+    allow_global: bool
+    tensors: list[Tensor] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+
+def _visit(node: Any, keys: tuple[Any, ...], state: _Described) -> Any:
+    if len(keys) > MAX_DEPTH:
+        raise ValueError(
+            f"{call()}: the tree is nested more than {MAX_DEPTH} levels deep at "
+            f"'{path_to_name(keys)}'."
+        )
+    if node is None:
+        return None
+    if isinstance(node, np.ma.MaskedArray) or (
+        isinstance(node, numbers.Number)
+        and not isinstance(node, np.generic | int | float | complex)
+    ):
+        raise TypeError(
+            f"{call()}: leaf '{path_to_name(keys)}' is a {type(node).__name__}, which cannot "
+            "be saved faithfully (Decimal, Fraction and masked arrays are refused rather "
+            "than dropped); convert it to an array of a supported dtype."
+        )
+    kind = kind_of(node)
+    if kind is not None:
+        return _add_tensor(keys, kind, node, state.tensors, state.seen, state.allow_global)
+    if isinstance(node, str):
+        return {"str": node}
+    pairs = _children(node)
+    if pairs is None:
+        return {"skipped": type(node).__qualname__}
+    if isinstance(node, dict):
+        entries = []
+        for key, child in pairs:
+            raw = key.key
+            if not isinstance(raw, str | int) or isinstance(raw, bool):
+                raise TypeError(
+                    f"{call()}: dict at '{path_to_name(keys)}' has key {short(raw)} of type "
+                    f"{type(raw).__name__}; only str and int keys can be saved."
                 )
-            return {"dict": entries}
-        if type(node) in (list, tuple):
-            return {type(node).__name__: [visit(child, (*keys, key)) for key, child in pairs]}
-        # Any other pytree node (Equinox module, namedtuple, dataclass): named children.
-        return {
-            "node": type(node).__qualname__,
-            "children": [[path_to_name((k,)), visit(c, (*keys, k))] for k, c in pairs],
-        }
-
-    try:
-        return visit(tree, ()), tensors
-    finally:
-        # `visit` refers to itself through its closure: a reference cycle that would hold
-        # `tensors` (and so every leaf being saved) until the garbage collector next runs.
-        del visit
+            entries.append(
+                [
+                    str.__str__(raw) if isinstance(raw, str) else int(raw),
+                    _visit(child, (*keys, key), state),
+                ]
+            )
+        return {"dict": entries}
+    if type(node) in (list, tuple):
+        return {type(node).__name__: [_visit(child, (*keys, key), state) for key, child in pairs]}
+    # Any other pytree node (Equinox module, namedtuple, dataclass): named children.
+    return {
+        "node": type(node).__qualname__,
+        "children": [[path_to_name((k,)), _visit(c, (*keys, k), state)] for k, c in pairs],
+    }
 
 
 def parse_description(text: str, arrays: Arrays, bad: Callable[[str], Exception]) -> Any:

@@ -61,6 +61,8 @@ class Match:
     cast: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     # target name -> (saved shape, shape after its transform)
     transformed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # target name -> the layout convention its transform applied (a preset's label)
+    conventions: dict[str, str] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # kept: no saved tensor (strict=False)
     unused: list[str] = field(default_factory=list)
@@ -77,3 +79,6 @@ class Match:
             self.cast[slot.target] = (slot.dtype, slot.cast)
         if slot.transform is not None:
             self.transformed[slot.target] = (saved_shape, slot.shape)
+            label = getattr(slot.transform, "convention", None)
+            if isinstance(label, str):
+                self.conventions[slot.target] = label

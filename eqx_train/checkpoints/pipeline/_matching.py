@@ -224,6 +224,12 @@ class _Judge:
             return None
         file_shape, file_dtype = self.available[source]
         saved = _describe(file_shape, file_dtype)
+        if fn is None and _transform.layouts_differ(
+            source, name, file_shape, _expected(kind, leaf)[0]
+        ):
+            self.found.mismatched.append(source)
+            problems.append(f"{label}: {_transform.layout_refusal(source, name)}")
+            return None
         if fn is not None:
             try:
                 after = _transform.evaluate(
@@ -241,6 +247,10 @@ class _Judge:
                 file_shape, file_dtype = after
                 saved += f", transformed to {_describe(file_shape, file_dtype)}"
         shape, dtype = _expected(kind, leaf)
+        if fn is None and dtype is not None and _transform.only_unit_axes(file_shape, shape):
+            fn = _transform.unit_axes(shape)  # accepted, and the plan says so
+            saved += f", reshaped to {_describe(shape, file_dtype)}"
+            file_shape = shape
         if dtype is not None:
             self.shared_arrays.append((file_shape, file_dtype, shape, dtype))
         # A Python scalar takes a saved value that converts exactly; a saved bool never
@@ -262,6 +272,7 @@ class _Judge:
             )
             if fn is None and file_shape != shape:
                 why += _transform.permutation_hint(name, tuple(file_shape), shape)
+                why += _transform.layout_hint(source, name)
             problems.append(f"{label}: file has {saved}, target expects {expectation}{why}")
             return None
         return Slot(

@@ -183,6 +183,82 @@ def permutation_hint(name: str, saved: Shape, target: Shape) -> str:
     )
 
 
+def only_unit_axes(saved: Shape, target: Shape) -> bool:
+    """Whether `saved` and `target` differ, but only in axes of size 1 (a flax or PyTorch
+    conv bias (8,) for Equinox's (8, 1, 1)): the same values in the same order."""
+    saved, target = tuple(saved), tuple(target)
+    return saved != target and [d for d in saved if d != 1] == [d for d in target if d != 1]
+
+
+class Reshape:
+    """The transform that fills a leaf from a saved tensor differing only in size-1 axes:
+    every reading call accepts one and its plan shows it (`convention`)."""
+
+    def __init__(self, shape: Shape):
+        self.shape = tuple(shape)
+        self.convention = "reshaped: the shapes differ only in axes of size 1"
+
+    def __call__(self, array: Any) -> Any:
+        return array.reshape(self.shape)
+
+
+def unit_axes(shape: Shape) -> Reshape:
+    """The reshape to `shape` of a saved tensor that differs from it only in size-1 axes."""
+    return Reshape(shape)
+
+
+# The last name segment of a weight in flax's layout (inputs first, conv kernels HWIO),
+# and in Equinox's (outputs first, OIHW), as both libraries name them.
+_FLAX_KERNEL, _EQUINOX_WEIGHT = "kernel", "weight"
+
+
+def layouts_differ(saved_name: str, target_name: str, saved: Shape, target: Shape) -> bool:
+    """Whether a saved tensor named like a flax kernel fills a leaf named like an Equinox
+    weight, or the other way (renamed, with no transform), with a shape that converting the
+    layout leaves as it is (a square Dense kernel; a conv kernel as many channels in as
+    out, as wide as it is deep): the shapes cannot tell the layouts apart, and taken as
+    saved the kernel would load untransposed and silently compute something else."""
+    ends = (saved_name.rsplit(".", 1)[-1], target_name.rsplit(".", 1)[-1])
+    saved, target = tuple(saved), tuple(target)
+    if len(saved) < 2 or saved != target:
+        return False
+    if ends == (_FLAX_KERNEL, _EQUINOX_WEIGHT):  # (*K, I, O) -> (O, I, *K)
+        return (saved[-1], saved[-2], *saved[:-2]) == saved
+    if ends == (_EQUINOX_WEIGHT, _FLAX_KERNEL):  # (O, I, *K) -> (*K, I, O)
+        return (*saved[2:], saved[1], saved[0]) == saved
+    return False
+
+
+def layout_hint(saved_name: str, target_name: str) -> str:
+    """For a flax kernel refused for an Equinox weight's shape (or the other way), the
+    layout preset that converts it, as the end of the refusal; else ""."""
+    ends = (saved_name.rsplit(".", 1)[-1], target_name.rsplit(".", 1)[-1])
+    if ends == (_FLAX_KERNEL, _EQUINOX_WEIGHT):
+        return "; a flax kernel: the layout preset eqx_train.interop.flax_to_equinox converts it"
+    if ends == (_EQUINOX_WEIGHT, _FLAX_KERNEL):
+        return (
+            "; an Equinox weight: the layout preset eqx_train.interop.equinox_to_flax converts it"
+        )
+    return ""
+
+
+def layout_refusal(saved_name: str, target_name: str) -> str:
+    """Why a kernel/weight pair (`layouts_differ`) is refused, and what to pass."""
+    to_equinox = saved_name.rsplit(".", 1)[-1] == _FLAX_KERNEL
+    flax, equinox = (
+        "a flax kernel (inputs first; a conv kernel HWIO)",
+        ("an Equinox weight (outputs first; a conv weight OIHW)"),
+    )
+    what, into = (flax, equinox) if to_equinox else (equinox, flax)
+    preset = "flax_to_equinox(target)" if to_equinox else "equinox_to_flax(target, model)"
+    return (
+        f"the saved '{saved_name}' is {what} and the target's leaf is {into}: taken as "
+        f"saved it would load untransposed. Pass the layout preset "
+        f"(**eqx_train.interop.{preset}), or a transform for this leaf "
+        f"(transform={{{target_name!r}: lambda a: a}} takes it as saved)"
+    )
+
+
 def _first_line(error: Exception) -> str:
     """An exception's message, its first line only (JAX's run to many)."""
     lines = str(error).strip().splitlines()
