@@ -36,6 +36,7 @@ from ._retention import ManagedDirectory
 from ._retention_policy import RetentionPolicy
 from ._save_policy import SavePolicy
 from ._save_timing import SaveTiming
+from ._tiers import HOST_STATE_KEY, LastRestore, LocalTier, encode_host_states, host_state_of
 
 T = TypeVar("T")
 
@@ -182,6 +183,10 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         replica_parallel: bool = True,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_interval_steps: int | None = None,
+        local_keep_latest: int = 1,
+        peer_replicas: int = 1,
     ):
         with calling("CheckpointManager"):
             # Every keyword argument, checked once into one frozen object.
@@ -197,6 +202,21 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             options.save_policy, handle_sigterm=options.handle_sigterm, now=_clock()
         )
         self._ranking = _retention.Ranking(self._store)
+        self._last_restore: LastRestore | None = None
+        self._restored: _directory.Entry | None = None  # the persistent step last restored
+        self._due: tuple[Any, bool, bool] | None = None  # should_save's (step, persistent, local)
+        self._local = None
+        if options.local_directory is not None:
+            with calling("CheckpointManager"):
+                self._local = LocalTier(
+                    options.local_directory,
+                    prefix=options.prefix,
+                    keep=options.local_keep_latest,
+                    replicas=options.peer_replicas,
+                    interval=options.local_interval_steps,
+                    timeout_s=options.timeout_s,
+                    async_save=options.async_save,
+                )
 
     # ------------------------------------------------------------------ saving
 
@@ -209,6 +229,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         filter_spec: Any = None,
+        host_state: Any = None,
     ) -> str:
         """Saves `state` at `step` with its metrics and metadata; returns the file's path.
 
@@ -222,23 +243,42 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
           revision), stored in the file.
         - `filter_spec`: save only the leaves it selects, as for `save_checkpoint`
           (`eqx.is_array`: the arrays, no Python configuration).
+        - `host_state`: this process's own JSON-serialisable value (a data iterator's
+          position, a NumPy generator's state), saved atomically with the step in every
+          tier and given back by the restore as `last_restore.host_state`. In a
+          multi-process job each process passes its own (on every process, or on none).
+
+        With a `local_directory`, `save` writes the tiers that are due at `step`: the local
+        tier alone when only `local_interval_steps` asked for it at the last `should_save`,
+        both tiers at the persistent schedule's steps and on preemption, and both when
+        `should_save` was not asked about `step`. It then returns the persistent file's path,
+        or the local step's directory when only the local tier was written.
 
         Raises the error of a failed previous background save, if any, and
         `StepExistsError` (a `ValueError` and a `FileExistsError`) when `step` is not newer
         than the latest checkpoint and `overwrite` is False.
         """
         began = _clock()
+        options = self._options
+        host_states = None
 
         def extra() -> dict[str, str]:
             # Encoded inside the save, so that a bad value on one process of a multi-process
             # job fails the save on all of them.
-            return {
+            encoded = {
                 _METRICS_KEY: _retention.encode_metrics(metrics),
                 _USER_METADATA_KEY: _retention.encode_metadata(metadata),
             }
+            return encoded if host_states is None else {**encoded, HOST_STATE_KEY: host_states}
 
-        options = self._options
         with calling("CheckpointManager.save"):
+            persistent, local = self._tiers_due(step)
+            if local and self._local is not None:
+                self._local.save(step, state, host_state)
+                if not persistent:
+                    return self._local.directory
+            if host_state is not None:
+                host_states = encode_host_states(host_state, timeout_s=options.timeout_s)
             path = save_pipeline(
                 self.directory,
                 state,
@@ -262,10 +302,29 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             self._schedule.saved(_names.check_step(step), began)
         return path
 
+    def _tiers_due(self, step: _names.Step) -> tuple[bool, bool]:
+        """(the persistent tier, the local tier): which `save(step)` writes."""
+        if self._local is None:
+            return True, False
+        due, self._due = self._due, None
+        if due is None or due[0] != _names.check_step(step):
+            return True, True  # a save no should_save asked for: both tiers
+        return due[1], due[2] or due[1]
+
+    @property
+    def last_restore(self) -> LastRestore | None:
+        """What the last `restore` through this manager did on this process (`None` before
+        the first): the step, the tier it came from (`"local"`, `"peer"`,
+        `"persistent"`), its seconds, the bytes read per tier and the `host_state` saved
+        with it."""
+        return self._last_restore
+
     def wait(self) -> None:
         """Blocks until the background save (if any) is done; raises its error if it failed."""
         if self._async is not None:
             self._async.wait_previous_save()
+        if self._local is not None:
+            self._local.wait()
 
     def close(self) -> None:
         """Waits for the background save and raises its error, if any, then puts back the
@@ -274,6 +333,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             self.wait()
         finally:
             self._schedule.stop_listening()
+            if self._local is not None:
+                self._local.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -388,11 +449,22 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
                 transform=transform,
             )
             self.wait()
+            began = time.perf_counter()
+            plain = filter_spec is None and rename is None and transform is None
+            if self._local is not None and step is None and fallback and plain:
+                restored = self._local.restore(target, self._latest(), began)
+                if restored is not None:
+                    tree, self._last_restore = restored
+                    return tree
+            self._restored = None
             if step == "best":
-                return self._restore_best(target, options)
-            if step is not None or not fallback:
-                return self._restore_step(target, step, options)
-            return self._restore_latest(target, options)
+                tree = self._restore_best(target, options)
+            elif step is not None or not fallback:
+                tree = self._restore_step(target, step, options)
+            else:
+                tree = self._restore_latest(target, options)
+            self._last_restore = self._persistent_report(tree, target, step, began)
+            return tree
 
     # ------------------------------------------------------------------ internals
 
@@ -409,13 +481,14 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             self._store,
             self.directory,
             self._listing,
-            lambda entry: restore_entry(self._store, entry, target, options),
+            lambda entry: self._restore_entry(entry, target, options),
             target,
             timeout_s=self._options.timeout_s,
             attempts=RESTORE_ATTEMPTS,
         )
         self._schedule.latest_known = False  # one skipped was moved aside: list again
         if restored is target:
+            self._restored = None
             # No checkpoint of its own (a fine-tune's first run): other weights in the
             # directory (a Hugging Face layout) are read, or refused by name, never skipped.
             return self._restore_step(target, None, options)
@@ -431,11 +504,37 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             )
         return self._ranking.restore_best(
             self._listing,
-            lambda entry: restore_entry(self._store, entry, target, options),
+            lambda entry: self._restore_entry(entry, target, options),
             directory=self.directory,
             metric=metric,
             mode=self._options.mode,
             attempts=RESTORE_ATTEMPTS,
+        )
+
+    def _restore_entry(self, entry: _directory.Entry, target: T, options: RestoreOptions) -> T:
+        restored = restore_entry(self._store, entry, target, options)
+        self._restored = entry  # the one restored: its step and host state for last_restore
+        return restored
+
+    def _persistent_report(self, tree: Any, target: Any, step: Any, began: float) -> LastRestore:
+        """`last_restore` for a restore from the persistent tier (`directory`)."""
+        entry = self._restored
+        if entry is None and tree is not target:
+            listing = self._listing()
+            found = (
+                _directory.latest(listing)
+                if step is None
+                else _directory.find_step(listing, _names.check_step(step))
+            )
+            entry = found
+        if entry is None:
+            return LastRestore(None, None, time.perf_counter() - began)
+        return LastRestore(
+            step=entry.step,
+            tier="persistent",
+            seconds=time.perf_counter() - began,
+            bytes_read={"persistent": _held_bytes(tree)},
+            host_state=host_state_of(_retention.metadata_of(self._store, entry)),
         )
 
     def _now(self) -> float:
@@ -443,3 +542,15 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
 
     def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
         return _retention.to_delete(entries, self._options.retention, self._ranking)
+
+
+def _held_bytes(tree: Any) -> int:
+    """The bytes of the leaves this process holds: each distinct block of an array once."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            blocks = {str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}
+            total += sum(blocks.values())
+        elif hasattr(leaf, "nbytes"):
+            total += int(leaf.nbytes)
+    return total
