@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         RetentionContext as RetentionContext,
         RetentionPolicy as RetentionPolicy,
     )
+    from .manager._tiers import LastRestore as LastRestore
     from .manager._save_policy import (
         SaveAny as SaveAny,
         SaveContext as SaveContext,
@@ -58,6 +59,7 @@ __getattr__, __dir__ = exports(
         "KeepBest": "manager._retention_policy",
         "KeepEveryNSteps": "manager._retention_policy",
         "KeepLatest": "manager._retention_policy",
+        "LastRestore": "manager._tiers",
         "NewerFormatError": "_errors",
         "PartialRestoreWarning": "_errors",
         "RestorePlan": "_plan",
