@@ -5,6 +5,7 @@ another's block), a local save every step and a persistent one every two."""
 import json
 import os
 import shutil
+import signal
 import sys
 
 import pytest
@@ -16,9 +17,9 @@ TIMEOUT_S = 240
 COUNT = 4
 
 
-def _run_job(mode, base, count=COUNT):
-    """Runs the worker on `count` processes; each must print its OK line. Returns each
-    process's output."""
+def _run_job(mode, base, count=COUNT, killed=()):
+    """Runs the worker on `count` processes; each must print its OK line, except those in
+    `killed`, which must die of SIGKILL. Returns each process's output."""
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
@@ -28,6 +29,9 @@ def _run_job(mode, base, count=COUNT):
         TIMEOUT_S,
     )
     for i, (returncode, out) in enumerate(results):
+        if i in killed:
+            assert returncode == -signal.SIGKILL, f"process {i} exited {returncode}:\n{out}"
+            continue
         assert f"OK {mode} {i}" in out, f"process {i} exited {returncode}:\n{out[-3000:]}"
     return [out for _, out in results]
 
@@ -111,7 +115,7 @@ def test_another_process_count_never_restores_from_the_local_copies(saved, tmp_p
 
 @pytest.mark.slow
 def test_a_kill_inside_a_local_write_never_restores_mixed_steps(tmp_path):
-    outputs = _run_job("kill_mid_save", tmp_path)
+    outputs = _run_job("kill_mid_save", tmp_path, killed=(1,))
     assert "KILLED MID-WRITE" in outputs[1]
     # The kill landed mid-write: the unit's half-written temporary file is there, unrenamed.
     step_dir = tmp_path / "local_1" / "checkpoint_3.local"
