@@ -47,9 +47,11 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    local_device = [str(pid)] if args.platform == "gpu" else None
+    local_device = [pid] if args.platform == "gpu" else None
     jax.distributed.initialize(
-        f"127.0.0.1:{args.port}", num_processes=count, process_id=pid,
+        f"127.0.0.1:{args.port}",
+        num_processes=count,
+        process_id=pid,
         local_device_ids=local_device,
     )
     from eqx_train.checkpoints import CheckpointManager
@@ -72,14 +74,20 @@ def worker(args: argparse.Namespace) -> None:
         mgr.save(1, state, host_state={"process": pid})
         mgr.close()
     else:
-        target = {"w": jax.make_array_from_callback(
-            (rows, 1024), sharding, lambda i: np.zeros((rows, 1024), np.float32)[i])}
+        target = {
+            "w": jax.make_array_from_callback(
+                (rows, 1024), sharding, lambda i: np.zeros((rows, 1024), np.float32)[i]
+            )
+        }
         jax.block_until_ready(target)
         mgr.restore(target)
         last = mgr.last_restore
         assert last is not None and last.step == 1, last
-        print("RESULT " + json.dumps({"tier": last.tier, "seconds": last.seconds,
-                                      "bytes": last.bytes_read}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps({"tier": last.tier, "seconds": last.seconds, "bytes": last.bytes_read}),
+            flush=True,
+        )
     os._exit(0)  # the timing is done; skip jax.distributed's shutdown barrier
 
 
@@ -92,17 +100,38 @@ def _job(args: argparse.Namespace, mode: str, storage_options: dict[str, Any]) -
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", mode, "--pid", str(i), "--port", str(port),
-             "--processes", str(args.processes), "--mib", str(args.mib),
-             "--persistent", args.persistent, "--local", args.local,
-             "--platform", args.platform, "--storage-options", json.dumps(storage_options)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                mode,
+                "--pid",
+                str(i),
+                "--port",
+                str(port),
+                "--processes",
+                str(args.processes),
+                "--mib",
+                str(args.mib),
+                "--persistent",
+                args.persistent,
+                "--local",
+                args.local,
+                "--platform",
+                args.platform,
+                "--storage-options",
+                json.dumps(storage_options),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for i in range(args.processes)
     ]
     results = []
     for i, process in enumerate(processes):
-        out = process.communicate(timeout=900)[0]
+        out: str = process.communicate(timeout=900)[0] or ""
         if process.returncode != 0:
             raise SystemExit(f"process {i} of the {mode} job failed:\n{out[-3000:]}")
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
@@ -111,7 +140,7 @@ def _job(args: argparse.Namespace, mode: str, storage_options: dict[str, Any]) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -149,8 +178,11 @@ def main() -> None:
         times: dict[str, list[float]] = {"lost host": [], "all local": [], "persistent": []}
         tiers: dict[str, list[str]] = {}
         for _ in range(args.repeats):
-            for scenario, lost in (("lost host", [1]), ("all local", []),
-                                   ("persistent", list(range(args.processes)))):
+            for scenario, lost in (
+                ("lost host", [1]),
+                ("all local", []),
+                ("persistent", list(range(args.processes))),
+            ):
                 for i in range(args.processes):
                     here = os.path.join(args.local, f"local_{i}")
                     shutil.rmtree(here, ignore_errors=True)
@@ -164,18 +196,30 @@ def main() -> None:
             server.__exit__(None, None, None)
         shutil.rmtree(args.local, ignore_errors=True)
     medians = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.processes} processes ({args.platform}), {args.mib} MiB state sharded "
-          f"across them; local tier on {ram or 'a temporary directory'}, persistent on "
-          f"{store}; medians of {args.repeats}, the slowest process's restore")
+    print(
+        f"{args.processes} processes ({args.platform}), {args.mib} MiB state sharded "
+        f"across them; local tier on {ram or 'a temporary directory'}, persistent on "
+        f"{store}; medians of {args.repeats}, the slowest process's restore"
+    )
     print("| scenario | tiers (per process) | restore |")
     print("| --- | --- | --- |")
     for scenario, seconds in medians.items():
         print(f"| {scenario} | {', '.join(tiers[scenario])} | {seconds * 1000:.0f} ms |")
     ratio = medians["persistent"] / medians["lost host"]
     print(f"persistent / lost host: {ratio:.1f}x")
-    print(json.dumps({"benchmark": "recovery", "processes": args.processes, "mib": args.mib,
-                      "platform": args.platform, "persistent_store": store,
-                      "seconds": medians, "persistent_over_lost_host": ratio}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "recovery",
+                "processes": args.processes,
+                "mib": args.mib,
+                "platform": args.platform,
+                "persistent_store": store,
+                "seconds": medians,
+                "persistent_over_lost_host": ratio,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

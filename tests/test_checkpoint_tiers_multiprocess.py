@@ -24,8 +24,10 @@ def _run_job(mode, base, count=COUNT, killed=()):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     results = run_processes(
-        [([sys.executable, WORKER, mode, str(i), str(count), port, str(base)], env)
-         for i in range(count)],
+        [
+            ([sys.executable, WORKER, mode, str(i), str(count), port, str(base)], env)
+            for i in range(count)
+        ],
         TIMEOUT_S,
     )
     for i, (returncode, out) in enumerate(results):

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
         RetentionContext as RetentionContext,
         RetentionPolicy as RetentionPolicy,
     )
-    from .manager._tiers import LastRestore as LastRestore
     from .manager._save_policy import (
         SaveAny as SaveAny,
         SaveContext as SaveContext,
@@ -43,6 +42,7 @@ if TYPE_CHECKING:
         SaveOnPreemption as SaveOnPreemption,
         SavePolicy as SavePolicy,
     )
+    from .manager._tiers import LastRestore as LastRestore
     from .pipeline._async import AsyncManager as AsyncManager
     from .storage import register_storage as register_storage
 

@@ -47,9 +47,7 @@ KILL_AT = 3  # kill_mid_save: process 1 dies inside its unit's write of this ste
 def values(step):
     """Independent of the process count: the global array and a host-local leaf (the same
     on every process: what differs per process is its host_state)."""
-    return np.arange(8 * 4, dtype=np.float32).reshape(8, 4) * (step + 1), np.full(
-        3, step, np.int64
-    )
+    return np.arange(8 * 4, dtype=np.float32).reshape(8, 4) * (step + 1), np.full(3, step, np.int64)
 
 
 def state(step):
@@ -80,14 +78,20 @@ def check(tree, step):
 
 def report(mgr, tree):
     last = mgr.last_restore
-    print("RESTORED " + json.dumps({
-        "step": last.step,
-        "tier": last.tier,
-        "host_state": last.host_state,
-        "bytes_read": last.bytes_read,
-        "seconds": last.seconds,
-        "n": tree["n"],
-    }), flush=True)
+    print(
+        "RESTORED "
+        + json.dumps(
+            {
+                "step": last.step,
+                "tier": last.tier,
+                "host_state": last.host_state,
+                "bytes_read": last.bytes_read,
+                "seconds": last.seconds,
+                "n": tree["n"],
+            }
+        ),
+        flush=True,
+    )
     check(tree, last.step)
     assert last.host_state == {"process": pid, "step": last.step}, last.host_state
 
@@ -144,7 +148,7 @@ elif mode == "restore_persistent":
     mgr = manager()
     tree = mgr.restore(state(0))
     report(mgr, tree)
-    assert mgr.last_restore.tier == "persistent", mgr.last_restore
+    assert mgr.last_restore is not None and mgr.last_restore.tier == "persistent"
 else:
     raise SystemExit(f"unknown mode {mode}")
 print(f"OK {mode} {pid}", flush=True)

@@ -36,7 +36,7 @@ from ._retention import ManagedDirectory
 from ._retention_policy import RetentionPolicy
 from ._save_policy import SavePolicy
 from ._save_timing import SaveTiming
-from ._tiers import HOST_STATE_KEY, LastRestore, LocalTier, encode_host_states, host_state_of
+from ._tiers import HOST_STATE_KEY, LastRestore, LocalTier, Tiers, encode_host_states
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ T = TypeVar("T")
 _clock = time.monotonic
 
 
-class CheckpointManager(ManagedDirectory, SaveTiming):
+class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
     """Saves checkpoints into one directory and decides which to keep.
 
     Which checkpoints to keep is a retention policy, applied after each save is durable;
@@ -117,6 +117,12 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables apply too.
+    - `local_directory`: this process's own fast storage (a local disk or RAM disk, never
+      shared) for a local tier beside `directory`, saved every `local_interval_steps`
+      (`None`: at the persistent tier's saves only), keeping its newest
+      `local_keep_latest` steps; each process's part is also kept by `peer_replicas`
+      other processes. `restore` then takes the newest step complete across the tiers.
+      See [Checkpoint tiers](../checkpoint_tiers.md).
 
     On creation the manager removes temporary files left by a killed save of this
     directory and prefix (only files named as this library names them, and only if the
@@ -205,18 +211,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         self._last_restore: LastRestore | None = None
         self._restored: _directory.Entry | None = None  # the persistent step last restored
         self._due: tuple[Any, bool, bool] | None = None  # should_save's (step, persistent, local)
-        self._local = None
-        if options.local_directory is not None:
-            with calling("CheckpointManager"):
-                self._local = LocalTier(
-                    options.local_directory,
-                    prefix=options.prefix,
-                    keep=options.local_keep_latest,
-                    replicas=options.peer_replicas,
-                    interval=options.local_interval_steps,
-                    timeout_s=options.timeout_s,
-                    async_save=options.async_save,
-                )
+        with calling("CheckpointManager"):
+            self._local = LocalTier.of(options)
 
     # ------------------------------------------------------------------ saving
 
@@ -248,11 +244,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
           tier and given back by the restore as `last_restore.host_state`. In a
           multi-process job each process passes its own (on every process, or on none).
 
-        With a `local_directory`, `save` writes the tiers that are due at `step`: the local
-        tier alone when only `local_interval_steps` asked for it at the last `should_save`,
-        both tiers at the persistent schedule's steps and on preemption, and both when
-        `should_save` was not asked about `step`. It then returns the persistent file's path,
-        or the local step's directory when only the local tier was written.
+        With a `local_directory`, it writes the tiers `should_save(step)` found due (both
+        when it was not asked), and returns the local directory when only the local was.
 
         Raises the error of a failed previous background save, if any, and
         `StepExistsError` (a `ValueError` and a `FileExistsError`) when `step` is not newer
@@ -301,23 +294,6 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             )
             self._schedule.saved(_names.check_step(step), began)
         return path
-
-    def _tiers_due(self, step: _names.Step) -> tuple[bool, bool]:
-        """(the persistent tier, the local tier): which `save(step)` writes."""
-        if self._local is None:
-            return True, False
-        due, self._due = self._due, None
-        if due is None or due[0] != _names.check_step(step):
-            return True, True  # a save no should_save asked for: both tiers
-        return due[1], due[2] or due[1]
-
-    @property
-    def last_restore(self) -> LastRestore | None:
-        """What the last `restore` through this manager did on this process (`None` before
-        the first): the step, the tier it came from (`"local"`, `"peer"`,
-        `"persistent"`), its seconds, the bytes read per tier and the `host_state` saved
-        with it."""
-        return self._last_restore
 
     def wait(self) -> None:
         """Blocks until the background save (if any) is done; raises its error if it failed."""
@@ -451,10 +427,9 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             self.wait()
             began = time.perf_counter()
             plain = filter_spec is None and rename is None and transform is None
-            if self._local is not None and step is None and fallback and plain:
-                restored = self._local.restore(target, self._latest(), began)
-                if restored is not None:
-                    tree, self._last_restore = restored
+            if step is None and fallback and plain:
+                found, tree = self._restore_local(target, began)
+                if found:
                     return tree
             self._restored = None
             if step == "best":
@@ -516,41 +491,11 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         self._restored = entry  # the one restored: its step and host state for last_restore
         return restored
 
-    def _persistent_report(self, tree: Any, target: Any, step: Any, began: float) -> LastRestore:
-        """`last_restore` for a restore from the persistent tier (`directory`)."""
-        entry = self._restored
-        if entry is None and tree is not target:
-            listing = self._listing()
-            found = (
-                _directory.latest(listing)
-                if step is None
-                else _directory.find_step(listing, _names.check_step(step))
-            )
-            entry = found
-        if entry is None:
-            return LastRestore(None, None, time.perf_counter() - began)
-        return LastRestore(
-            step=entry.step,
-            tier="persistent",
-            seconds=time.perf_counter() - began,
-            bytes_read={"persistent": _held_bytes(tree)},
-            host_state=host_state_of(_retention.metadata_of(self._store, entry)),
-        )
+    def _header(self, entry: _directory.Entry) -> dict[str, str]:
+        return _retention.metadata_of(self._store, entry)
 
     def _now(self) -> float:
         return _clock()  # read here, so that tests can swap the module's clock
 
     def _to_delete(self, entries: list[_directory.Entry]) -> list[str]:
         return _retention.to_delete(entries, self._options.retention, self._ranking)
-
-
-def _held_bytes(tree: Any) -> int:
-    """The bytes of the leaves this process holds: each distinct block of an array once."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, jax.Array):
-            blocks = {str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}
-            total += sum(blocks.values())
-        elif hasattr(leaf, "nbytes"):
-            total += int(leaf.nbytes)
-    return total

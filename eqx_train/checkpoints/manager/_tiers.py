@@ -23,7 +23,7 @@ import jax
 from ..._calls import call, in_context, outside_stacklevel
 from .._errors import CheckpointFormatError, UnreadableCheckpointWarning
 from ..format import _names
-from ..pipeline import _coordination, _local_tier, _peers
+from ..pipeline import _coordination, _directory, _local_tier, _peers
 from ..storage import _locations
 
 HOST_STATE_KEY = "eqx_train.host_state"
@@ -63,9 +63,7 @@ def encode_host_states(host_state: Any, *, timeout_s: float) -> str:
             f"{call()}: host_state must be JSON-serialisable, got "
             f"{type(host_state).__name__}: {error}"
         ) from None
-    values = _coordination.gather(
-        _coordination.next_id("host_state"), mine, timeout_s=timeout_s
-    )
+    values = _coordination.gather(_coordination.next_id("host_state"), mine, timeout_s=timeout_s)
     return "[" + ",".join(values) + "]"
 
 
@@ -79,12 +77,50 @@ def host_state_of(metadata: dict[str, str]) -> Any:
     return values[me] if isinstance(values, list) and me < len(values) else None
 
 
+def persistent_report(
+    entry: Any, metadata: dict[str, str] | None, tree: Any, began: float
+) -> LastRestore:
+    """`last_restore` for a restore of `entry` (a listed persistent checkpoint, None for
+    none) whose header holds `metadata`, into `tree`."""
+    seconds = time.perf_counter() - began
+    if entry is None or metadata is None:
+        return LastRestore(None, None, seconds)
+    return LastRestore(
+        step=entry.step,
+        tier="persistent",
+        seconds=seconds,
+        bytes_read={"persistent": _held_bytes(tree)},
+        host_state=host_state_of(metadata),
+    )
+
+
+def _held_bytes(tree: Any) -> int:
+    """The bytes of the leaves this process holds: each distinct block of an array once."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            blocks = {str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}
+            total += sum(blocks.values())
+        elif hasattr(leaf, "nbytes"):
+            total += int(leaf.nbytes)
+    return total
+
+
 class LocalTier:
     """This process's local tier: its saves (async when the manager's are) and the restore
     across the processes' local tiers."""
 
-    def __init__(self, local_directory: str, *, prefix: str, keep: int, replicas: int,
-                 interval: int | None, timeout_s: float, async_save: bool):
+    def __init__(
+        self,
+        local_directory: str,
+        *,
+        prefix: str,
+        keep: int,
+        replicas: int,
+        interval: int | None,
+        timeout_s: float,
+        async_save: bool,
+    ):
         self.store, self.directory = _locations.resolve(local_directory)
         self.store.makedirs(self.directory)
         self.prefix, self.keep, self.interval = prefix, keep, interval
@@ -93,6 +129,21 @@ class LocalTier:
         self._pool = ThreadPoolExecutor(1, "eqx_train-local") if async_save else None
         self._pending: Future[None] | None = None
         self.last_step: Decimal | None = None
+
+    @classmethod
+    def of(cls, options: Any) -> LocalTier | None:
+        """The local tier a manager's checked `ManagerOptions` describe (None for none)."""
+        if options.local_directory is None:
+            return None
+        return cls(
+            options.local_directory,
+            prefix=options.prefix,
+            keep=options.local_keep_latest,
+            replicas=options.peer_replicas,
+            interval=options.local_interval_steps,
+            timeout_s=options.timeout_s,
+            async_save=options.async_save,
+        )
 
     def due(self, value: Decimal) -> bool:
         """Whether the local interval asks for a save at `value` (never twice a step)."""
@@ -111,8 +162,10 @@ class LocalTier:
         units = {me: data}
         if self.replicas:
             sizes_op = _coordination.next_id("local_sizes")
-            sizes = [int(s) for s in _coordination.gather(
-                sizes_op, str(len(data)), timeout_s=self.timeout_s)]
+            sizes = [
+                int(s)
+                for s in _coordination.gather(sizes_op, str(len(data)), timeout_s=self.timeout_s)
+            ]
             for shift in range(1, self.replicas + 1):
                 got = _peers.shift_bytes(data, shift, sizes)
                 assert got is not None  # every process sends its unit
@@ -170,8 +223,12 @@ class LocalTier:
         me, count = jax.process_index(), jax.process_count()
         valid = self._verified(count)
         mine = {f"{h.text}/{h.owner}": h.size for h in valid}
-        views = [json.loads(v) for v in _coordination.gather(
-            _coordination.next_id("local_held"), json.dumps(mine), timeout_s=self.timeout_s)]
+        views = [
+            json.loads(v)
+            for v in _coordination.gather(
+                _coordination.next_id("local_held"), json.dumps(mine), timeout_s=self.timeout_s
+            )
+        ]
         chosen = _choose(views, count, persistent_latest)
         if chosen is None:
             return None
@@ -220,8 +277,13 @@ class LocalTier:
         return valid
 
     def _exchange(
-        self, text: str, holders: dict[int, int], own: dict[int, _local_tier.Held],
-        views: list[dict[str, int]], me: int, count: int,
+        self,
+        text: str,
+        holders: dict[int, int],
+        own: dict[int, _local_tier.Held],
+        views: list[dict[str, int]],
+        me: int,
+        count: int,
     ) -> int:
         """Sends the units their owners lack, over the interconnect; each owner writes what
         it receives as its own unit. Returns the bytes this process received."""
@@ -251,14 +313,18 @@ class LocalTier:
                 path = _local_tier.write_unit(
                     self.store, directory, _local_tier.unit_name(me, count), got
                 )
-                own[me] = _local_tier.Held(
-                    _names.step_value(text), text, me, count, path, len(got)
-                )
+                own[me] = _local_tier.Held(_names.step_value(text), text, me, count, path, len(got))
         return received
 
     def _place(
-        self, target: Any, text: str, own: dict[int, _local_tier.Held], received: int,
-        me: int, count: int, began: float,
+        self,
+        target: Any,
+        text: str,
+        own: dict[int, _local_tier.Held],
+        received: int,
+        me: int,
+        count: int,
+        began: float,
     ) -> tuple[Any, LastRestore]:
         held = own.get(me)
         if held is None:
@@ -295,3 +361,64 @@ def _choose(
         if set(found) == set(range(count)):
             return text, {p: (p if p in found[p] else min(found[p])) for p in found}
     return None
+
+
+class Tiers:
+    """The tiers' half of `CheckpointManager`: which tiers a save writes, the restore from
+    the local tiers, and `last_restore`. The manager inherits it."""
+
+    _local: LocalTier | None
+    _due: tuple[Any, bool, bool] | None
+    _last_restore: LastRestore | None
+    _restored: _directory.Entry | None
+
+    def _latest(self) -> Decimal | None:
+        raise NotImplementedError
+
+    def _listing(self) -> list[_directory.Entry]:
+        raise NotImplementedError
+
+    def _header(self, entry: _directory.Entry) -> dict[str, str]:
+        raise NotImplementedError  # a listed checkpoint's metadata
+
+    @property
+    def last_restore(self) -> LastRestore | None:
+        """What the last `restore` through this manager did on this process (`None` before
+        the first): the step, the tier it came from (`"local"`, `"peer"`,
+        `"persistent"`), its seconds, the bytes read per tier and the `host_state` saved
+        with it."""
+        return self._last_restore
+
+    def _tiers_due(self, step: Any) -> tuple[bool, bool]:
+        """(the persistent tier, the local tier): which `save(step)` writes."""
+        if self._local is None:
+            return True, False
+        due, self._due = self._due, None
+        if due is None or due[0] != _names.check_step(step):
+            return True, True  # a save no should_save asked for: both tiers
+        return due[1], due[2] or due[1]
+
+    def _restore_local(self, target: Any, began: float) -> tuple[bool, Any]:
+        """(True, the tree) restored from the local tiers, or (False, None) when they hold
+        no complete step as new as the persistent tier's newest."""
+        if self._local is None:
+            return False, None
+        restored = self._local.restore(target, self._latest(), began)
+        if restored is None:
+            return False, None
+        tree, self._last_restore = restored
+        return True, tree
+
+    def _persistent_report(self, tree: Any, target: Any, step: Any, began: float) -> LastRestore:
+        """`last_restore` for a restore from the persistent tier (`directory`)."""
+        entry = self._restored
+        if entry is None and tree is not target:
+            listing = self._listing()
+            value = None if step is None or step == "best" else _names.check_step(step)
+            entry = (
+                _directory.latest(listing)
+                if value is None
+                else _directory.find_step(listing, value)
+            )
+        metadata = None if entry is None else self._header(entry)
+        return persistent_report(entry, metadata, tree, began)

@@ -1,9 +1,10 @@
 """The local tier's units: what one process holds of a step, as one checksummed file of the
 one format (`format/_format.write_file`, read back by `format/_reader.FileReader`).
 
-A *unit* is the file `{local_directory}/{prefix}{step}.local/process_{owner}-of-{count}.safetensors`:
-the blocks of every array leaf that process `owner` of a `count`-process job held (each
-distinct block once, however many of its devices hold it), its host-local leaves (NumPy
+A *unit* is the file
+`{local_directory}/{prefix}{step}.local/process_{owner}-of-{count}.safetensors`: the blocks
+of every array leaf that process `owner` of a `count`-process job held (each distinct block
+once, however many of its devices hold it), its host-local leaves (NumPy
 arrays, Python numbers) whole, and its `host_state`, in the sealed metadata entry
 `eqx_train.local_unit` (with the step, the owner, the process count and the layout of the
 leaves). A process's own unit and the peers' units it keeps sit side by side in the step's
@@ -93,8 +94,12 @@ def scan(store: Storage, local_directory: str, prefix: str) -> list[Held]:
             if match and item.is_file:
                 size = item.size if item.size is not None else _size(store, item.path)
                 held = Held(
-                    _names.step_value(text), text, int(match["owner"]), int(match["count"]),
-                    item.path, size,
+                    _names.step_value(text),
+                    text,
+                    int(match["owner"]),
+                    int(match["count"]),
+                    item.path,
+                    size,
                 )
                 found.append(held)
     return sorted(found, key=lambda h: (-h.step, h.owner))
@@ -111,7 +116,9 @@ def _size(store: Storage, path: str) -> int:
 # ------------------------------------------------------------------------ what a unit holds
 
 
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
+def _bounds(index: tuple[Any, ...], shape: tuple[int, ...]) -> str:
+    """A block's bounds as text ("0:4,0:6"), the same for `slice(None)` and `slice(0, d)`."""
+    index = index + (slice(None),) * (len(shape) - len(index))
     return ",".join(
         f"{0 if s.start is None else s.start}:{d if s.stop is None else s.stop}"
         for s, d in zip(index, shape, strict=True)
@@ -248,8 +255,13 @@ def read_unit(store: Storage, held: Held) -> Unit:
             )
         tensors = reader.read_many(sorted(reader.tensors), verify=True)
     return Unit(
-        held.text, held.owner, held.count, unit["treedef"], unit["leaves"],
-        unit["host_state"], tensors,
+        held.text,
+        held.owner,
+        held.count,
+        unit["treedef"],
+        unit["leaves"],
+        unit["host_state"],
+        tensors,
     )
 
 
@@ -300,11 +312,10 @@ def _leaf(unit: Unit, i: int, leaf: Any, saved: dict[str, Any]) -> Any:
         )
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        block = unit.tensors.get(f"{i}/{_bounds(index, shape)}")
+        bounds = _bounds(tuple(index or ()), shape)
+        block = unit.tensors.get(f"{i}/{bounds}")
         if block is None:
-            raise LocalCopyMismatch(
-                f"leaf {i}'s block {_bounds(index, shape)} is not in this process's unit"
-            )
+            raise LocalCopyMismatch(f"leaf {i}'s block {bounds} is not in this process's unit")
         arrays.append(jax.device_put(block, device))
     array = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     return jax.random.wrap_key_data(array, impl=key) if key else array
