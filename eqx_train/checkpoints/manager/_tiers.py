@@ -85,6 +85,7 @@ def persistent_report(
     seconds = time.perf_counter() - began
     if entry is None or metadata is None:
         return LastRestore(None, None, seconds)
+    # An empty `metadata`: the checkpoint was deleted (retention) after it was read.
     return LastRestore(
         step=entry.step,
         tier="persistent",
@@ -420,5 +421,10 @@ class Tiers:
                 if value is None
                 else _directory.find_step(listing, value)
             )
-        metadata = None if entry is None else self._header(entry)
+        metadata = None
+        if entry is not None:
+            try:
+                metadata = self._header(entry)
+            except FileNotFoundError:  # pruned by a concurrent save since it was read
+                metadata = {}
         return persistent_report(entry, metadata, tree, began)
