@@ -426,7 +426,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
             )
             self.wait()
             began = time.perf_counter()
-            plain = filter_spec is None and rename is None and transform is None
+            plain = target is not None and filter_spec is None and rename is None
+            plain = plain and transform is None
             if step is None and fallback and plain:
                 found, tree = self._restore_local(target, began)
                 if found:

@@ -130,6 +130,7 @@ class LocalTier:
         self._pool = ThreadPoolExecutor(1, "eqx_train-local") if async_save else None
         self._pending: Future[None] | None = None
         self.last_step: Decimal | None = None
+        self._read: dict[str, _local_tier.Unit] = {}  # own units verified by a restore
 
     @classmethod
     def of(cls, options: Any) -> LocalTier | None:
@@ -222,6 +223,15 @@ class LocalTier:
         none, or when some process could not restore it (then every process returns None).
         Call it on every process."""
         me, count = jax.process_index(), jax.process_count()
+        self._read = {}
+        try:
+            return self._restore(target, persistent_latest, began, me, count)
+        finally:
+            self._read = {}
+
+    def _restore(
+        self, target: Any, persistent_latest: Decimal | None, began: float, me: int, count: int
+    ) -> tuple[Any, LastRestore] | None:
         valid = self._verified(count)
         mine = {f"{h.text}/{h.owner}": h.size for h in valid}
         views = [
@@ -263,7 +273,9 @@ class LocalTier:
             if held.count != count:
                 continue  # another process count's layout: never restored from
             try:
-                _local_tier.read_unit(self.store, held)
+                unit = self._read.get(held.path) or _local_tier.read_unit(self.store, held)
+                if held.owner == jax.process_index():
+                    self._read[held.path] = unit  # read once: kept for the restore
             except (CheckpointFormatError, OSError) as error:
                 aside = held.path.rpartition("/")
                 self.store.move(held.path, f"{aside[0]}/corrupt-{aside[2]}")
@@ -330,7 +342,7 @@ class LocalTier:
         held = own.get(me)
         if held is None:
             raise CheckpointFormatError(f"process {me}'s unit of step {text} never arrived")
-        unit = _local_tier.read_unit(self.store, held)
+        unit = self._read.get(held.path) or _local_tier.read_unit(self.store, held)
         restored = _local_tier.place(unit, target)
         jax.block_until_ready(restored)
         tier: Tier = "peer" if received else "local"
