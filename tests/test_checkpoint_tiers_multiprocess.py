@@ -17,9 +17,10 @@ TIMEOUT_S = 240
 COUNT = 4
 
 
-def _run_job(mode, base, count=COUNT, killed=()):
+def _run_job(mode, base, count=COUNT, killed=(), ended=()):
     """Runs the worker on `count` processes; each must print its OK line, except those in
-    `killed`, which must die of SIGKILL. Returns each process's output."""
+    `killed`, which must die of SIGKILL, and those in `ended`, which must fail (any way).
+    Returns each process's output."""
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
@@ -33,6 +34,9 @@ def _run_job(mode, base, count=COUNT, killed=()):
     for i, (returncode, out) in enumerate(results):
         if i in killed:
             assert returncode == -signal.SIGKILL, f"process {i} exited {returncode}:\n{out}"
+            continue
+        if i in ended:
+            assert returncode != 0, f"process {i} survived:\n{out[-3000:]}"
             continue
         assert f"OK {mode} {i}" in out, f"process {i} exited {returncode}:\n{out[-3000:]}"
     return [out for _, out in results]
@@ -128,3 +132,14 @@ def test_a_kill_inside_a_local_write_never_restores_mixed_steps(tmp_path):
     steps = {r["step"] for r in reports}
     # One step on every process (each checked bit-exact against that step by the worker).
     assert len(steps) == 1 and steps <= {2, 3}, reports
+
+
+@pytest.mark.slow
+def test_a_kill_inside_a_peer_transfer_restores_the_step_before_everywhere(tmp_path):
+    outputs = _run_job("kill_mid_transfer", tmp_path, killed=(1,), ended=(0, 2, 3))
+    assert "KILLED MID-TRANSFER" in outputs[1]
+    # Nothing of step 3 was written anywhere: the transfer comes before any write.
+    for i in range(COUNT):
+        assert os.listdir(tmp_path / f"local_{i}") == ["checkpoint_2.local"], i
+    reports = _restored(_run_job("restore_any", tmp_path))
+    assert [(r["step"], r["tier"]) for r in reports] == [(2, "local")] * COUNT

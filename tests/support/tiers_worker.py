@@ -31,11 +31,16 @@ try:  # the peer copies travel over a collective, over gloo on CPU
 except AttributeError:  # a JAX without the option, where gloo is the only choice
     pass
 jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=count,
+    process_id=pid,
+    # kill_mid_transfer: the survivors wait inside the collective until the service declares
+    # the killed process dead and ends them.
+    heartbeat_timeout_seconds=10 if mode == "kill_mid_transfer" else 100,
 )
 
 from eqx_train.checkpoints import CheckpointManager  # noqa: E402
-from eqx_train.checkpoints.manager import _manager  # noqa: E402
+from eqx_train.checkpoints.manager import _manager, _tiers  # noqa: E402
 from eqx_train.checkpoints.pipeline import _local_tier  # noqa: E402
 
 PERSISTENT = os.path.join(base, "persistent")
@@ -126,6 +131,22 @@ def hook_kill():
     _local_tier.write_all = write_half_then_die
 
 
+def hook_kill_in_transfer():
+    """Process 1 dies as the peer transfer of step KILL_AT begins (the others are inside
+    the collective)."""
+    real = _tiers._peers.shift_bytes
+    calls = []
+
+    def die_at_kill_step(payload, shift, sizes):
+        calls.append(shift)
+        if len(calls) > KILL_AT:  # one transfer per save (peer_replicas=1)
+            print("KILLED MID-TRANSFER", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(payload, shift, sizes)
+
+    _tiers._peers.shift_bytes = die_at_kill_step
+
+
 if mode == "save":
     save()
 elif mode == "save_async":
@@ -139,6 +160,11 @@ elif mode == "kill_mid_save":
         print(f"SURVIVED {type(error).__name__}", flush=True)
     print(f"OK {mode} {pid}", flush=True)
     os._exit(0)  # jax.distributed's shutdown would wait for the dead process
+elif mode == "kill_mid_transfer":
+    if pid == 1:
+        hook_kill_in_transfer()
+    save(steps=KILL_AT + 1, timeout_s=20)
+    raise SystemExit("the save of step KILL_AT returned")
 elif mode in ("restore_local", "restore_any"):
     if mode == "restore_local":
         forbid_persistent_reads()
