@@ -1,12 +1,15 @@
 """The recovery time after losing one host, against the persistent restore of the same step.
 
-    python benchmarks/recovery.py [--processes 4] [--mib 64] [--repeats 3] [--persistent DIR]
+    python benchmarks/recovery.py [--processes 4] [--mib 64] [--repeats 3] [--rate-mib 0]
+        [--persistent DIR] [--platform cpu|gpu]
 
 `--processes` real `jax.distributed` processes on loopback (one device each: CPU with gloo
 collectives, or the GPUs when `--platform gpu` and each process sees one) hold a float32
 state of `--mib` MiB sharded across them. One job saves it at step 1 to both tiers: the
 local tier on a RAM disk (`/dev/shm`), the persistent tier on a SeaweedFS S3 bucket on
-127.0.0.1 (or `--persistent DIR`, a local directory, where SeaweedFS is missing). Then, for
+127.0.0.1 (or `--persistent DIR`, a local directory, where SeaweedFS is missing), each
+process reaching it through its own loopback proxy, capped at `--rate-mib` MiB/s each way
+as a host's network link would be (0: uncapped). Then, for
 each repeat, three fresh jobs restore it:
 
 - **lost host**: process 1's local directory deleted (a replaced host): process 1 receives
@@ -95,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
         )
 
 
-def _job(args: argparse.Namespace, mode: str, storage_options: dict[str, Any]) -> list[dict]:
+def _job(args: argparse.Namespace, mode: str, storage_options: list[dict[str, Any]]) -> list[dict]:
     import socket
 
     with socket.socket() as s:
@@ -155,6 +158,7 @@ def main() -> None:
     parser.add_argument("--pid", type=int, default=0)
     parser.add_argument("--port", default="")
     parser.add_argument("--storage-options", default="{}")
+    parser.add_argument("--rate-mib", type=float, default=0.0)
     args = parser.parse_args()
     if args.worker:
         args.mode = args.worker
@@ -162,16 +166,28 @@ def main() -> None:
         return
     ram = "/dev/shm" if os.path.isdir("/dev/shm") else None
     args.local = tempfile.mkdtemp(prefix="eqx_train-local-", dir=ram)
-    server, storage_options, store = None, {}, "local directory"
+    server, storage_options, store, proxies = None, [{}] * args.processes, "local directory", []
     try:
         if not args.persistent:
             try:
+                from tests.support.fault_proxy import FaultProxy
                 from tests.support.s3_server import SeaweedS3
 
                 server = SeaweedS3().__enter__()
                 server.create_bucket("recovery")
-                args.persistent, storage_options = "s3://recovery/run", server.storage_options
-                store = "SeaweedFS S3 on 127.0.0.1"
+                args.persistent, store = "s3://recovery/run", "SeaweedFS S3 on 127.0.0.1"
+                # Each process reaches the bucket through its own link, as a host would.
+                rate = args.rate_mib * 2**20 or None
+                proxies = [FaultProxy(server.endpoint_url, rate_bytes_per_s=rate)
+                           for _ in range(args.processes)]  # fmt: skip
+                storage_options = [
+                    {**server.storage_options,
+                     "client_kwargs": {**server.storage_options["client_kwargs"],
+                                       "endpoint_url": proxy.url}}
+                    for proxy in proxies
+                ]  # fmt: skip
+                if args.rate_mib:
+                    store += f", each process's link capped at {args.rate_mib:g} MiB/s"
             except Exception as error:  # no weed binary: a local directory instead
                 print(f"(no S3 server: {error}; the persistent tier is a local directory)")
                 args.persistent = tempfile.mkdtemp(prefix="eqx_train-persistent-")
@@ -196,6 +212,8 @@ def main() -> None:
                 times[scenario].append(max(r["seconds"] for r in results))
                 tiers[scenario] = [r["tier"] for r in results]
     finally:
+        for proxy in proxies:
+            proxy.close()
         if server is not None:
             server.__exit__(None, None, None)
         shutil.rmtree(args.local, ignore_errors=True)
