@@ -127,7 +127,7 @@ def _job(args: argparse.Namespace, mode: str, storage_options: list[dict[str, An
                 "--platform",
                 args.platform,
                 "--storage-options",
-                json.dumps(storage_options),
+                json.dumps(storage_options[i]),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
