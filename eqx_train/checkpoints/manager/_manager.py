@@ -309,8 +309,6 @@ class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
             self.wait()
         finally:
             self._schedule.stop_listening()
-            if self._local is not None:
-                self._local.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

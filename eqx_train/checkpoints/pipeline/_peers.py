@@ -6,7 +6,7 @@ CPU), never through the persistent store nor the coordination service.
 Every process calls `shift_bytes` with the same `shift` and the same `sizes` (agreed
 beforehand through the coordination service); process `i` sends its payload to process
 `(i + shift) % n` and receives the payload of process `(i - shift) % n`. Payloads are padded
-to the largest one, so a call moves `n * max(sizes)` bytes in all.
+to the largest one, so a call moves `max(sizes)` bytes per sending process.
 
 On CPU the collective needs gloo:
 `jax.config.update("jax_cpu_collectives_implementation", "gloo")` before
@@ -79,7 +79,9 @@ def shift_bytes(payload: bytes | None, shift: int, sizes: Sequence[int]) -> byte
     rows = jax.make_array_from_single_device_arrays(
         (count, width), NamedSharding(mesh, spec), [block]
     )
-    pairs = [(i, (i + shift) % count) for i in range(count)]
+    # Only the processes that send take part in the permutation: the others' rows (padding)
+    # never travel.
+    pairs = [(i, (i + shift) % count) for i in range(count) if sizes[i] >= 0]
     moved = jax.jit(
         jax.shard_map(
             lambda x: jax.lax.ppermute(x, "processes", pairs),
