@@ -113,6 +113,25 @@ def test_a_corrupt_local_copy_is_skipped_naming_it_and_its_peer_copy_restored(sa
 
 
 @pytest.mark.slow
+def test_a_corrupt_peer_copy_of_a_lost_unit_falls_back_to_the_persistent_tier(saved, tmp_path):
+    base = _copy(saved, tmp_path)
+    shutil.rmtree(base / "local_1")
+    copy = base / "local_2" / "checkpoint_5.local" / "process_00001-of-00004.safetensors"
+    flip_last_byte(copy)  # the only other copy of process 1's unit
+    outputs = _run_job("restore_persistent", base)
+    assert [r["step"] for r in _restored(outputs)] == [4] * COUNT
+    assert str(copy) in outputs[2] and "UnreadableCheckpointWarning" in outputs[2]
+
+
+@pytest.mark.slow
+def test_an_async_managers_local_saves_restore_like_sync_ones(tmp_path):
+    _run_job("save_async", tmp_path)
+    shutil.rmtree(tmp_path / "local_3")
+    reports = _restored(_run_job("restore_local", tmp_path))
+    assert [(r["step"], r["tier"]) for r in reports] == [(5, "local")] * 3 + [(5, "peer")]
+
+
+@pytest.mark.slow
 def test_another_process_count_never_restores_from_the_local_copies(saved, tmp_path):
     base = _copy(saved, tmp_path)
     reports = _restored(_run_job("restore_persistent", base, count=2))
