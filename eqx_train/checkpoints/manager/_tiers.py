@@ -432,6 +432,6 @@ class Tiers:
         if entry is not None:
             try:
                 metadata = self._header(entry)
-            except FileNotFoundError:  # pruned by a concurrent save since it was read
+            except (OSError, CheckpointFormatError):  # pruned (or damaged) since it was read
                 metadata = {}
         return persistent_report(entry, metadata, tree, began)
