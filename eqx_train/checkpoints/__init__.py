@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         SaveOnPreemption as SaveOnPreemption,
         SavePolicy as SavePolicy,
     )
+    from .manager._tiers import LastRestore as LastRestore
     from .pipeline._async import AsyncManager as AsyncManager
     from .storage import register_storage as register_storage
 
@@ -58,6 +59,7 @@ __getattr__, __dir__ = exports(
         "KeepBest": "manager._retention_policy",
         "KeepEveryNSteps": "manager._retention_policy",
         "KeepLatest": "manager._retention_policy",
+        "LastRestore": "manager._tiers",
         "NewerFormatError": "_errors",
         "PartialRestoreWarning": "_errors",
         "RestorePlan": "_plan",

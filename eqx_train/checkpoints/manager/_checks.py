@@ -5,6 +5,7 @@ of its `restore`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,7 +76,36 @@ def manager_options(**given: Any) -> ManagerOptions:
         handle_sigterm=given["handle_sigterm"],
         replica_parallel=given["replica_parallel"],
         storage_options=given["storage_options"],
+        **_local_tier_of(given),
     )
+
+
+def _local_tier_of(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The local tier's options: `local_directory` (a path or None), its interval, its
+    retention and the peer copies."""
+    directory, interval = given["local_directory"], given["local_interval_steps"]
+    keep, replicas = given["local_keep_latest"], given["peer_replicas"]
+    if directory is not None and not isinstance(directory, str | os.PathLike):
+        raise ValueError(
+            f"{_WHO}: local_directory must be a path (this process's own disk or RAM disk) "
+            f"or None, got {directory!r}."
+        )
+    if directory is None and interval is not None:
+        raise ValueError(
+            f"{_WHO}: local_interval_steps={interval!r} needs local_directory, the local "
+            "tier it schedules."
+        )
+    if interval is not None:
+        check_steps(interval, f"{_WHO}: local_interval_steps", " or None")
+    for name, value, least in (("local_keep_latest", keep, 1), ("peer_replicas", replicas, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{_WHO}: {name} must be an int >= {least}, got {value!r}.")
+    return {
+        "local_directory": None if directory is None else os.fspath(directory),
+        "local_interval_steps": interval,
+        "local_keep_latest": keep,
+        "peer_replicas": replicas,
+    }
 
 
 def _refuse_both(policy: str, given: Mapping[str, Any], shorthands: tuple[str, ...]) -> None:

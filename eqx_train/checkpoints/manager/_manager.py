@@ -37,6 +37,7 @@ from ._retention import ManagedDirectory
 from ._retention_policy import RetentionPolicy
 from ._save_policy import SavePolicy
 from ._save_timing import SaveTiming
+from ._tiers import HOST_STATE_KEY, LastRestore, LocalTier, Tiers, encode_host_states
 
 T = TypeVar("T")
 
@@ -46,7 +47,7 @@ T = TypeVar("T")
 _clock = time.monotonic
 
 
-class CheckpointManager(ManagedDirectory, SaveTiming):
+class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
     """Saves checkpoints into one directory and decides which to keep.
 
     Which checkpoints to keep is a retention policy, applied after each save is durable;
@@ -117,6 +118,12 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
     - `storage_options`: for an object-store URL, options of its fsspec filesystem
       (credentials, `client_kwargs={"endpoint_url": ...}`); the standard environment
       variables apply too.
+    - `local_directory`: this process's own fast storage (a local disk or RAM disk, never
+      shared) for a local tier beside `directory`, saved every `local_interval_steps`
+      (`None`: at the persistent tier's saves only), keeping its newest
+      `local_keep_latest` steps; each process's part is also kept by `peer_replicas`
+      other processes. `restore` then takes the newest step complete across the tiers.
+      See [Checkpoint tiers](../checkpoint_tiers.md).
 
     On creation the manager removes temporary files left by a killed save of this
     directory and prefix (only files named as this library names them, and only if the
@@ -183,6 +190,10 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         handle_sigterm: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         replica_parallel: bool = True,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_interval_steps: int | None = None,
+        local_keep_latest: int = 1,
+        peer_replicas: int = 1,
     ):
         with calling("CheckpointManager"):
             # Every keyword argument, checked once into one frozen object.
@@ -198,6 +209,11 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             options.save_policy, handle_sigterm=options.handle_sigterm, now=_clock()
         )
         self._ranking = _retention.Ranking(self._store)
+        self._last_restore: LastRestore | None = None
+        self._restored: _directory.Entry | None = None  # the persistent step last restored
+        self._due: tuple[Any, bool, bool] | None = None  # should_save's (step, persistent, local)
+        with calling("CheckpointManager"):
+            self._local = LocalTier.of(options)
 
     # ------------------------------------------------------------------ saving
 
@@ -210,6 +226,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         filter_spec: Any = None,
+        host_state: Any = None,
         progress: Progress = None,
     ) -> str:
         """Saves `state` at `step` with its metrics and metadata; returns the file's path.
@@ -224,25 +241,42 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
           revision), stored in the file.
         - `filter_spec`: save only the leaves it selects, as for `save_checkpoint`
           (`eqx.is_array`: the arrays, no Python configuration).
+        - `host_state`: this process's own JSON-serialisable value (a data iterator's
+          position, a NumPy generator's state), saved atomically with the step in every
+          tier and given back by the restore as `last_restore.host_state`. In a
+          multi-process job each process passes its own (on every process, or on none).
         - `progress`: as for `save_checkpoint` (`True`: a tqdm bar on stderr; or a function
-          `(done_bytes, total_bytes)`, called from the thread that writes).
+          `(done_bytes, total_bytes)`, called from the thread that writes), for the
+          persistent tier's write.
+
+        With a `local_directory`, it writes the tiers `should_save(step)` found due (both
+        when it was not asked), and returns the local directory when only the local was.
 
         Raises the error of a failed previous background save, if any, and
         `StepExistsError` (a `ValueError` and a `FileExistsError`) when `step` is not newer
         than the latest checkpoint and `overwrite` is False.
         """
         began = _clock()
+        options = self._options
+        host_states = None
 
         def extra() -> dict[str, str]:
             # Encoded inside the save, so that a bad value on one process of a multi-process
             # job fails the save on all of them.
-            return {
+            encoded = {
                 _METRICS_KEY: _retention.encode_metrics(metrics),
                 _USER_METADATA_KEY: _retention.encode_metadata(metadata),
             }
+            return encoded if host_states is None else {**encoded, HOST_STATE_KEY: host_states}
 
-        options = self._options
         with calling("CheckpointManager.save"):
+            persistent, local = self._tiers_due(step)
+            if local and self._local is not None:
+                self._local.save(step, state, host_state)
+                if not persistent:
+                    return self._local.directory
+            if host_state is not None:
+                host_states = encode_host_states(host_state, timeout_s=options.timeout_s)
             path = save_pipeline(
                 self.directory,
                 state,
@@ -271,6 +305,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
         """Blocks until the background save (if any) is done; raises its error if it failed."""
         if self._async is not None:
             self._async.wait_previous_save()
+        if self._local is not None:
+            self._local.wait()
 
     def close(self) -> None:
         """Waits for the background save and raises its error, if any, then puts back the
@@ -400,13 +436,24 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
                 progress=progress,
             )
             self.wait()
+            began = time.perf_counter()
+            plain = target is not None and filter_spec is None and rename is None
+            plain = plain and transform is None
+            if step is None and fallback and plain:
+                found, tree = self._restore_local(target, began)
+                if found:
+                    return tree
+            self._restored = None
             # One report for the whole call: a fallback's several restores share it.
             with reporting(progress, "restore"):
                 if step == "best":
-                    return self._restore_best(target, options)
-                if step is not None or not fallback:
-                    return self._restore_step(target, step, options)
-                return self._restore_latest(target, options)
+                    tree = self._restore_best(target, options)
+                elif step is not None or not fallback:
+                    tree = self._restore_step(target, step, options)
+                else:
+                    tree = self._restore_latest(target, options)
+            self._last_restore = self._persistent_report(tree, target, step, began)
+            return tree
 
     # ------------------------------------------------------------------ internals
 
@@ -423,13 +470,14 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             self._store,
             self.directory,
             self._listing,
-            lambda entry: restore_entry(self._store, entry, target, options),
+            lambda entry: self._restore_entry(entry, target, options),
             target,
             timeout_s=self._options.timeout_s,
             attempts=RESTORE_ATTEMPTS,
         )
         self._schedule.latest_known = False  # one skipped was moved aside: list again
         if restored is target:
+            self._restored = None
             # No checkpoint of its own (a fine-tune's first run): other weights in the
             # directory (a Hugging Face layout) are read, or refused by name, never skipped.
             return self._restore_step(target, None, options)
@@ -445,12 +493,20 @@ class CheckpointManager(ManagedDirectory, SaveTiming):
             )
         return self._ranking.restore_best(
             self._listing,
-            lambda entry: restore_entry(self._store, entry, target, options),
+            lambda entry: self._restore_entry(entry, target, options),
             directory=self.directory,
             metric=metric,
             mode=self._options.mode,
             attempts=RESTORE_ATTEMPTS,
         )
+
+    def _restore_entry(self, entry: _directory.Entry, target: T, options: RestoreOptions) -> T:
+        restored = restore_entry(self._store, entry, target, options)
+        self._restored = entry  # the one restored: its step and host state for last_restore
+        return restored
+
+    def _header(self, entry: _directory.Entry) -> dict[str, str]:
+        return _retention.metadata_of(self._store, entry)
 
     def _now(self) -> float:
         return _clock()  # read here, so that tests can swap the module's clock

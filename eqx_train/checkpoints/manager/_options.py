@@ -36,6 +36,11 @@ class ManagerOptions:
     handle_sigterm: bool
     replica_parallel: bool
     storage_options: Mapping[str, Any] | None
+    # The local tier (see `_tiers`): None for none, and then the three below are unused.
+    local_directory: str | None = None
+    local_interval_steps: int | None = None
+    local_keep_latest: int = 1
+    peer_replicas: int = 1
 
 
 class Option(Generic[V]):

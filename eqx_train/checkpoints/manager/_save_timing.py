@@ -19,6 +19,8 @@ class SaveTiming:
 
     _schedule: _preemption.SaveSchedule
     _options: Any
+    _local: Any  # the local tier (`_tiers.LocalTier`), or None
+    _due: tuple[Any, bool, bool] | None  # the last answer: (step, persistent, local)
 
     def _now(self) -> float:
         raise NotImplementedError
@@ -37,6 +39,11 @@ class SaveTiming:
         - a preemption was signalled: SIGTERM since the first `should_save` call (single
           process, `handle_sigterm=True`), or JAX's preemption sync point at this step
           (multi-process). From then on `preempted` is True (whatever the policy).
+
+        With a `local_directory`, it also says True when `step` is a multiple of
+        `local_interval_steps` (and newer than the last local save), and the next `save`
+        of this step then writes the local tier alone, unless the persistent tier is due
+        too.
 
         With neither interval set, only a preemption makes it True. It never saves by
         itself: call `save` when it says so, then leave the loop if `preempted`.
@@ -101,7 +108,11 @@ class SaveTiming:
             )
         save, preempted = _preemption.DECISION_OF[str(decision)]
         self._schedule.preempted = self._schedule.preempted or preempted
-        return save
+        if self._local is None:
+            return save
+        local = self._local.due(value)
+        self._due = (value, save, local)
+        return save or local
 
     @property
     def preempted(self) -> bool:
