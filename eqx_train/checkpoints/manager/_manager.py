@@ -15,10 +15,6 @@ from jax.typing import ArrayLike
 from ..._calls import calling, in_context
 from ..._progress import Progress, reporting
 from ..format import _names
-from ..format._names import (
-    METRICS_KEY as _METRICS_KEY,
-    USER_METADATA_KEY as _USER_METADATA_KEY,
-)
 from ..pipeline import _directory, _matching, _restore, _transform
 from ..pipeline._async import AsyncManager
 from ..pipeline._options import RestoreOptions, SaveOptions
@@ -263,11 +259,8 @@ class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
         def extra() -> dict[str, str]:
             # Encoded inside the save, so that a bad value on one process of a multi-process
             # job fails the save on all of them.
-            encoded = {
-                _METRICS_KEY: _retention.encode_metrics(metrics),
-                _USER_METADATA_KEY: _retention.encode_metadata(metadata),
-            }
-            return encoded if host_states is None else {**encoded, HOST_STATE_KEY: host_states}
+            hosts = None if host_states is None else {HOST_STATE_KEY: host_states}
+            return _retention.file_metadata(metrics, metadata, hosts)
 
         with calling("CheckpointManager.save"):
             persistent, local = self._tiers_due(step)
@@ -437,8 +430,7 @@ class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
             )
             self.wait()
             began = time.perf_counter()
-            plain = target is not None and filter_spec is None and rename is None
-            plain = plain and transform is None
+            plain = target is not None and all(o is None for o in (filter_spec, rename, transform))
             if step is None and fallback and plain:
                 found, tree = self._restore_local(target, began)
                 if found:
@@ -484,18 +476,11 @@ class CheckpointManager(ManagedDirectory, SaveTiming, Tiers):
         return restored
 
     def _restore_best(self, target: T, options: RestoreOptions) -> T:
-        metric = self._options.best_metric
-        if not metric:
-            raise ValueError(
-                "CheckpointManager.restore(step='best') needs best_metric, the metric that "
-                "ranks checkpoints: CheckpointManager(directory, best_metric='val_loss') "
-                "(and mode='max' when higher is better)."
-            )
         return self._ranking.restore_best(
             self._listing,
             lambda entry: self._restore_entry(entry, target, options),
             directory=self.directory,
-            metric=metric,
+            metric=self._options.best_metric,
             mode=self._options.mode,
             attempts=RESTORE_ATTEMPTS,
         )

@@ -158,14 +158,21 @@ class Ranking:
         restore: Callable[[_directory.Entry], T],
         *,
         directory: str,
-        metric: str,
+        metric: str | None,
         mode: Mode,
         attempts: int,
     ) -> T:
         """What `restore(entry)` returns for the best checkpoint by `metric` of `directory`
         (listed by `list_checkpoints`); ranked again
         (up to `attempts` times) when retention removed it meanwhile (a better one arrived).
-        Raises `StepNotFoundError` when no checkpoint has a usable `metric`."""
+        Raises `StepNotFoundError` when no checkpoint has a usable `metric`, and
+        `ValueError` for a manager without a `best_metric`."""
+        if not metric:
+            raise ValueError(
+                "CheckpointManager.restore(step='best') needs best_metric, the metric that "
+                "ranks checkpoints: CheckpointManager(directory, best_metric='val_loss') "
+                "(and mode='max' when higher is better)."
+            )
         for attempt in range(attempts):
             best = self.best(list_checkpoints, metric=metric, mode=mode, attempts=attempts)
             if best is None:
@@ -238,6 +245,17 @@ def encode_metadata(metadata: Mapping[str, Any] | None) -> str:
         raise TypeError(
             f"{call('CheckpointManager.save')}: metadata must be JSON-serialisable ({error})."
         ) from None
+
+
+def file_metadata(
+    metrics: Mapping[str, ArrayLike] | None,
+    metadata: Mapping[str, Any] | None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """What a manager's save adds to the checkpoint's metadata: its metrics, the user's
+    `metadata`, and `extra` entries (each process's host state)."""
+    encoded = {_METRICS_KEY: encode_metrics(metrics), _USER_METADATA_KEY: encode_metadata(metadata)}
+    return {**encoded, **(extra or {})}
 
 
 class ManagedDirectory:
