@@ -37,6 +37,10 @@ PIECES_KEY = "eqx_train.pieces"  # a piece file: each of its tensors' leaf and s
 # (which also holds PROCESS_KEY, the process that wrote it), a Hugging Face save's files.
 SAVE_KEY = "eqx_train.save"
 PROCESS_KEY = "eqx_train.process"  # a piece file: its writer's process index, ASCII digits
+# A manager's local tier: each process's unit (its blocks and leaves), and every process's
+# host_state (a JSON list) in a persistent checkpoint, its own in a unit.
+LOCAL_UNIT_KEY = "eqx_train.local_unit"
+HOST_STATE_KEY = "eqx_train.host_state"
 METRICS_KEY = "eqx_train.metrics"  # CheckpointManager.save(metrics=...)
 USER_METADATA_KEY = "eqx_train.user_metadata"  # CheckpointManager.save(metadata=...)
 OUR_KEY_PREFIX = "eqx_train."  # every key above but METADATA_KEY; others are foreign

@@ -63,6 +63,8 @@ from ._keys import (
     HF_SHARD_PATTERN as HF_SHARD_PATTERN,
     HF_SINGLE_NAME as HF_SINGLE_NAME,
     HF_TREE_CHECKSUM_KEY as HF_TREE_CHECKSUM_KEY,
+    HOST_STATE_KEY as HOST_STATE_KEY,
+    LOCAL_UNIT_KEY as LOCAL_UNIT_KEY,
     METADATA_KEY as METADATA_KEY,
     METRICS_KEY as METRICS_KEY,
     OUR_KEY_PREFIX as OUR_KEY_PREFIX,
@@ -88,6 +90,24 @@ def hf_shard_names(count: int) -> list[str]:
     if count == 1:
         return [HF_SINGLE_NAME]
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+# ------------------------------------------------------------------ a manager's local tier
+
+# `{prefix}{step}.local/process_{i:05d}-of-{n:05d}.safetensors`: process i's unit of a job
+# of n processes, in a process's own local directory (its own, or a peer's copy).
+LOCAL_SUFFIX = ".local"
+_LOCAL_UNIT = re.compile(r"process_(?P<owner>[0-9]{5})-of-(?P<count>[0-9]{5})\.safetensors")
+
+
+def local_unit_name(owner: int, count: int) -> str:
+    return f"process_{owner:05d}-of-{count:05d}.safetensors"
+
+
+def parse_local_unit(name: str) -> tuple[int, int] | None:
+    """`(owner, process count)` of a local unit's file name, or None."""
+    match = _LOCAL_UNIT.fullmatch(name)
+    return None if match is None else (int(match["owner"]), int(match["count"]))
 
 
 # ------------------------------------------------------------------------ checkpoint files

@@ -26,7 +26,7 @@ from ..format import _names
 from ..pipeline import _coordination, _directory, _local_tier, _peers
 from ..storage import _locations
 
-HOST_STATE_KEY = "eqx_train.host_state"
+HOST_STATE_KEY = _names.HOST_STATE_KEY
 Tier = Literal["local", "peer", "persistent"]
 
 

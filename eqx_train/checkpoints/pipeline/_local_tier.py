@@ -43,9 +43,8 @@ from ..format._leaf_kinds import Tensor
 from ..format._reader import FileReader
 from ..storage._base import Storage
 
-UNIT_KEY = "eqx_train.local_unit"
-STEP_SUFFIX = ".local"
-_UNIT = re.compile(r"process_(?P<owner>[0-9]{5})-of-(?P<count>[0-9]{5})\.safetensors")
+UNIT_KEY = _names.LOCAL_UNIT_KEY
+STEP_SUFFIX = _names.LOCAL_SUFFIX
 _PYTHON = {"int": int, "float": float, "bool": bool, "complex": complex}
 
 
@@ -54,8 +53,7 @@ class LocalCopyMismatch(ValueError):
     sharding): the restore takes another tier."""
 
 
-def unit_name(owner: int, count: int) -> str:
-    return f"process_{owner:05d}-of-{count:05d}.safetensors"
+unit_name = _names.local_unit_name
 
 
 def step_dir(store: Storage, local_directory: str, prefix: str, step: Any) -> str:
@@ -90,14 +88,14 @@ def scan(store: Storage, local_directory: str, prefix: str) -> list[Held]:
         ):
             continue
         for item in store.list(entry.path):
-            match = _UNIT.fullmatch(item.name)
-            if match and item.is_file:
+            unit = _names.parse_local_unit(item.name)
+            if unit is not None and item.is_file:
                 size = item.size if item.size is not None else _size(store, item.path)
                 held = Held(
                     _names.step_value(text),
                     text,
-                    int(match["owner"]),
-                    int(match["count"]),
+                    unit[0],
+                    unit[1],
                     item.path,
                     size,
                 )
