@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 mode, pid, count, port, base = (
     sys.argv[1],
@@ -159,6 +160,14 @@ elif mode == "kill_mid_save":
     except Exception as error:  # the survivors: their commit exchange times out
         print(f"SURVIVED {type(error).__name__}", flush=True)
     print(f"OK {mode} {pid}", flush=True)
+    # Process 0 hosts the coordination service: were it to exit first, a survivor still
+    # waiting on an exchange would lose the service and abort. It stays until every
+    # survivor has said OK.
+    open(os.path.join(base, f"ok_{pid}"), "w").close()
+    survivors = [os.path.join(base, f"ok_{i}") for i in range(count) if i != 1]
+    deadline = time.monotonic() + 120
+    while pid == 0 and time.monotonic() < deadline and not all(map(os.path.exists, survivors)):
+        time.sleep(0.05)
     os._exit(0)  # jax.distributed's shutdown would wait for the dead process
 elif mode == "kill_mid_transfer":
     if pid == 1:
