@@ -56,13 +56,7 @@ class LastRestore:
 def encode_host_states(host_state: Any, *, timeout_s: float) -> str:
     """Every process's `host_state`, as the JSON list that a persistent checkpoint keeps
     (one exchange in a multi-process job: call it on every process)."""
-    try:
-        mine = json.dumps(host_state, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"{call()}: host_state must be JSON-serialisable, got "
-            f"{type(host_state).__name__}: {error}"
-        ) from None
+    mine = _local_tier.host_state_json(host_state)
     values = _coordination.gather(_coordination.next_id("host_state"), mine, timeout_s=timeout_s)
     return "[" + ",".join(values) + "]"
 

@@ -177,17 +177,23 @@ def _add(captured: Captured, name: str, value: np.ndarray) -> None:
     captured.nbytes += value.nbytes
 
 
-def encode(captured: Captured, step: Any, owner: int, count: int, host_state: Any) -> bytes:
-    """The unit's bytes: one file of the one format, its layout and `host_state` in its
-    sealed metadata. Raises `TypeError` for a `host_state` that JSON cannot hold."""
+def host_state_json(host_state: Any) -> str:
+    """`host_state` as JSON (strict: no NaN), or `TypeError` naming the call in progress:
+    the one encoding of a host state, for a unit and for a persistent checkpoint alike."""
     try:
-        host = json.dumps(host_state, allow_nan=False)
+        return json.dumps(host_state, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise TypeError(
             f"{call()}: host_state must be JSON-serialisable (a data iterator's "
             f"get_state(), a dict of numbers and strings), got {type(host_state).__name__}: "
             f"{error}"
         ) from None
+
+
+def encode(captured: Captured, step: Any, owner: int, count: int, host_state: Any) -> bytes:
+    """The unit's bytes: one file of the one format, its layout and `host_state` in its
+    sealed metadata. Raises `TypeError` for a `host_state` that JSON cannot hold."""
+    host = host_state_json(host_state)
     unit = {
         "step": _names.canonical_step(step),
         "owner": owner,
