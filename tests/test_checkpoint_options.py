@@ -22,13 +22,13 @@ STATE = {"a": np.ones(9 * MiB // 4, np.float32), "b": np.zeros(9 * MiB // 4, np.
 def reading_threads(monkeypatch):
     """The threads that read tensors from a checkpoint file, as the restore runs."""
     threads = set()
-    real = _reader.FileReader.read
+    real = _reader.FileReader._fill  # every read of a whole tensor from a local file
 
-    def read(self, name, index=None, *, verify=True):
+    def fill(self, info, out, verify):
         threads.add(threading.current_thread())
-        return real(self, name, index, verify=verify)
+        return real(self, info, out, verify)
 
-    monkeypatch.setattr(_reader.FileReader, "read", read)
+    monkeypatch.setattr(_reader.FileReader, "_fill", fill)
     return threads
 
 

@@ -1,12 +1,12 @@
 """Checksums of tensor bytes and metadata values: xxh3-64, computed chunk by chunk so that
 bytes are hashed while they are still in the CPU cache right after a read or before a write.
-Every checksum, written or read, goes through `checksum`; every comparison through
-`verify_bytes`."""
+Every checksum, written or read, goes through `hasher`; every comparison through
+`verify_bytes` or `verify_parts`."""
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import xxhash
@@ -69,7 +69,24 @@ def verify_bytes(
     """Raises `bad(...)` unless the bytes `view` of tensor `info` match its recorded checksum
     (`each` as in `checksum`)."""
     if checksum(info.code, info.shape, view, each) != info.checksum:
-        raise bad(f"tensor '{info.name}' fails its checksum (the data is corrupt)")
+        raise bad(_corrupt(info))
+
+
+def verify_parts(
+    info: TensorBytes, parts: Iterable[memoryview], bad: Callable[[str], Exception]
+) -> None:
+    """As `verify_bytes`, for a tensor whose bytes arrive as consecutive `parts` (an iterator
+    that may wait for each one to be read): each part is hashed as soon as it is yielded."""
+    check = hasher(info.code, info.shape)
+    for part in parts:
+        for chunk in chunks(part):
+            check.update(chunk)
+    if check.hexdigest() != info.checksum:
+        raise bad(_corrupt(info))
+
+
+def _corrupt(info: TensorBytes) -> str:
+    return f"tensor '{info.name}' fails its checksum (the data is corrupt)"
 
 
 def text_digest(text: str) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 from ..._text import short
 from .._errors import CheckpointFormatError, invalid
 from ..storage._base import Storage
+from ._arrays import Into
 from ._checksums import text_digest
 from ._description import OpenFile, ReaderBase, parse_json
 from ._names import HF_INDEX_NAME, HF_SAVE_KEY, HF_TREE_CHECKSUM_KEY, TREE_KEY
@@ -59,6 +60,8 @@ class IndexReader(ReaderBase):
     - `open_file`: how each file is opened: `FileReader`.
     - `index_name`: the index's file name in it.
     """
+
+    reads_into = True  # `read_many` reads into the buffers `into` offers
 
     def __init__(
         self, directory: str, store: Storage, open_file: OpenFile, index_name: str = HF_INDEX_NAME
@@ -171,12 +174,20 @@ class IndexReader(ReaderBase):
         return self._files[self._where[name]].read(name, index, verify=verify)
 
     def read_many(
-        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+        self,
+        names: Sequence[str],
+        *,
+        verify: bool = True,
+        parallel: bool = True,
+        into: Into | None = None,
     ) -> dict[str, np.ndarray]:
+        """Whole tensors, by name, each file's read together (`FileReader.read_many`)."""
         grouped: dict[str, list[str]] = {}
         for name in names:
             grouped.setdefault(self._where[name], []).append(name)
         found: dict[str, np.ndarray] = {}
         for file, group in grouped.items():
-            found.update(self._files[file].read_many(group, verify=verify, parallel=parallel))
+            found.update(
+                self._files[file].read_many(group, verify=verify, parallel=parallel, into=into)
+            )
         return {name: found[name] for name in names}

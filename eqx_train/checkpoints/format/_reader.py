@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +41,12 @@ from ..._text import short
 from .._errors import NewerFormatError, invalid
 from ..storage._base import Source
 from ..storage._local_files import LocalSource
-from . import _header_codes
+from . import _header_codes, _part_reads
 from ._arrays import (
     MAX_NDIM as MAX_NDIM,
+    Into,
     aligned_empty as aligned_empty,
+    buffer_for,
     normalize_index as normalize_index,
     too_big as too_big,
 )
@@ -97,6 +98,8 @@ class FileReader(ReaderBase):
     Use as a context manager. Non-regular files (a FIFO, a directory) are refused without
     blocking.
     """
+
+    reads_into = True  # `read_many` reads into the buffers `into` offers
 
     def __init__(self, path: str, source: Source | None = None):
         self.path = path
@@ -300,25 +303,34 @@ class FileReader(ReaderBase):
             add_stage("verify", time.perf_counter() - start - reading)
 
     def read_many(
-        self, names: Sequence[str], *, verify: bool = True, parallel: bool = True
+        self,
+        names: Sequence[str],
+        *,
+        verify: bool = True,
+        parallel: bool = True,
+        into: Into | None = None,
     ) -> dict[str, np.ndarray]:
-        """Whole tensors, read (and verified) by several threads when they are large."""
+        """Whole tensors, by name: read (and verified) by several threads when they are
+        large (`_part_reads`). `into(name, shape, dtype)`, if given, offers the buffer a
+        tensor is read into (a pinned host buffer, see `pipeline._pinned`); where it gives
+        None, the tensor gets a buffer of its own."""
+        infos = [self.tensors[n] for n in names]
+        outs = [buffer_for(info.name, info.shape, info.dtype, into) for info in infos]
+        views = [
+            as_bytes(o) if i.nbytes else memoryview(b"") for o, i in zip(outs, infos, strict=True)
+        ]
         if not self.source.cheap_reads:
             # An object store: every range at once, so requests overlap.
-            infos = [self.tensors[n] for n in names]
-            outs = [aligned_empty(i.shape, i.dtype) for i in infos]
             self.source.read_ranges(
-                [(as_bytes(o), i.start) for o, i in zip(outs, infos, strict=True) if i.nbytes]
+                [(v, i.start) for v, i in zip(views, infos, strict=True) if i.nbytes]
             )
-            for info, out in zip(infos, outs, strict=True):
+            for info, view in zip(infos, views, strict=True):
                 if verify and info.checksum:
-                    view = as_bytes(out) if info.nbytes else memoryview(b"")
                     verify_bytes(info, view, self.bad)
-            return dict(zip(names, outs, strict=True))
-        total = sum(self.tensors[n].nbytes for n in names)
-        if parallel and len(names) > 1 and total >= _PARALLEL_MIN_BYTES:
-            with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
-                arrays = list(pool.map(lambda n: self.read(n, verify=verify), names))
+        elif parallel and sum(i.nbytes for i in infos) >= _PARALLEL_MIN_BYTES:
+            jobs = list(zip(infos, outs, strict=True))
+            _part_reads.read_tensors(self._fill, self.source.read_into, jobs, verify, self.bad)
         else:
-            arrays = [self.read(n, verify=verify) for n in names]
-        return dict(zip(names, arrays, strict=True))
+            for info, out in zip(infos, outs, strict=True):
+                self._fill(info, out, verify)
+        return dict(zip(names, outs, strict=True))

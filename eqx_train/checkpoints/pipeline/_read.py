@@ -28,10 +28,10 @@ else:  # imported on first use: the command line reads headers without JAX
 from ... import _progress
 from ..._tree import weak_like
 from ..format._description import LeafKind
-from . import _read_once, _transform
+from . import _pinned, _read_once, _transform
 from ._matched import Match, Slot, cast_on_host
 from ._options import RestoreOptions
-from ._transfer import windowed_reads
+from ._transfer import reads_in_place, windowed_reads
 from ._window import HostWindow
 
 # (kind, target leaf, host bytes) -> the placed leaf; and: wait until leaves are placed.
@@ -78,12 +78,15 @@ def read_whole(
                 held += math.prod(s.shape) * itemsize
         return held
 
+    pinned = _PinnedBlocks(reader, whole, targets)
+
     def place_all(name: str, array: np.ndarray) -> list[tuple[Slot, Any, str]]:
         """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
         placed, slots = [], whole[name]
         for slot in slots:
             try:
-                leaf = place(slot.kind, targets[slot.index], slot.host_array(array))
+                host = pinned.unshared(name, targets[slot.index], slot.host_array(array))
+                leaf = place(slot.kind, targets[slot.index], host)
             except _transform.TransformError as error:
                 placed.append((slot, None, f"'{slot.target}': from saved '{name}': {error}"))
                 continue
@@ -97,27 +100,81 @@ def read_whole(
             placed.append((slot, leaf, ""))
         return placed
 
+    def settle_and_free(group: list[str]) -> None:
+        settle([leaves[s.index] for n in group for s in whole[n]])
+        pinned.free(group)  # on their devices: the blocks they came from can be reused
+
     reads = windowed_reads(
         list(whole),
         nbytes,
         lambda group: reader.read_many(
-            group, verify=options.verify, parallel=options.threaded_reads
+            group, verify=options.verify, parallel=options.threaded_reads, **pinned.offer
         ),
         HostWindow(options.host_window_bytes),
-        settle=lambda group: settle([leaves[s.index] for n in group for s in whole[n]]),
+        settle=settle_and_free,
         place=place_all,
     )
     _progress.expect(sum(_saved_bytes(available[name]) for name in whole))
     problems = []
-    with closing(reads):
-        for name, placed in reads:
-            _progress.advance(_saved_bytes(available[name]))
-            for slot, leaf, problem in placed:
-                if problem:
-                    problems.append(problem)
-                else:
-                    leaves[slot.index] = leaf
+    try:
+        with closing(reads):
+            for name, placed in reads:
+                _progress.advance(_saved_bytes(available[name]))
+                for slot, leaf, problem in placed:
+                    if problem:
+                        problems.append(problem)
+                    else:
+                        leaves[slot.index] = leaf
+    finally:
+        # After an error or an interrupt no reader thread is left (`windowed_reads` waits
+        # for them); a transfer still in flight only feeds a leaf the restore drops.
+        pinned.free(list(pinned.blocks))
     return problems
+
+
+class _PinnedBlocks:
+    """The pinned host blocks (`_pinned.Arena`) a `read_whole` reads tensors into: offered
+    for a saved tensor whose every slot places an array on an accelerator, held until the
+    tensor is on its devices. `offer` is the `read_many` keyword (none for a reader that
+    cannot read into given buffers, or where no target has an arena)."""
+
+    def __init__(self, reader: Any, whole: dict[str, list[Slot]], targets: list[Any]) -> None:
+        self.arenas: dict[str, _pinned.Arena] = {}
+        self.blocks: dict[str, tuple[_pinned.Arena, np.ndarray]] = {}
+        self.offer: dict[str, Any] = {}
+        if not getattr(reader, "reads_into", False):
+            return
+        for name, slots in whole.items():
+            devices = [_pinned.target_device(targets[s.index]) for s in slots]
+            if any(s.kind.name != "array" for s in slots) or None in devices:
+                continue
+            arenas = {id(a): a for a in map(_pinned.arena_for, devices)}
+            if len(arenas) == 1 and (arena := next(iter(arenas.values()))) is not None:
+                self.arenas[name] = arena
+        if self.arenas:
+            self.offer = {"into": self.allocate}
+
+    def allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        arena = self.arenas.get(name)
+        block = None if arena is None else arena.allocate(shape, dtype)
+        if arena is not None and block is not None:
+            self.blocks[name] = (arena, block)
+        return block
+
+    def unshared(self, name: str, target: Any, host: np.ndarray) -> np.ndarray:
+        """`host` (the bytes of tensor `name` for `target`), copied if it is a block and the
+        target's device would adopt it rather than copy it (a CPU device): the block is
+        reused once freed."""
+        held = self.blocks.get(name)
+        if held is None or not np.may_share_memory(host, held[1]):
+            return host
+        device = _pinned.target_device(target)
+        return host.copy() if device is None or reads_in_place(device.platform) else host
+
+    def free(self, names: list[str]) -> None:
+        for name in names:
+            if (held := self.blocks.pop(name, None)) is not None:
+                held[0].free(held[1])
 
 
 def read_blocks(reader: Any, found: Match, slots: list[Slot], options: RestoreOptions) -> None:

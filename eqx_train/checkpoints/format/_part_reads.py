@@ -1,0 +1,129 @@
+"""Reading the tensors of a local file with several threads at once.
+
+One thread copies a file out of the page cache (or a RAM disk) at a few GiB/s; a server's
+memory moves several times that, but only with several copies in flight. So the tensors a
+restore reads together go to a pool of `READERS` threads that every read of the process
+shares (the concurrent groups of a restore then keep about `READERS` reads in flight
+between them): a tensor of a few parts whole, hashed chunk by chunk right after each chunk
+is read, while it is still in cache; where the machine has cores to spare (`SPLIT`), a
+large one in parts of `PART_BYTES` read at once, whose checksum the calling thread computes
+part by part, in order, as they arrive (xxh3 runs at several GiB/s per core, faster than a
+thread reads), overlapping the reads of the parts after it and of the other groups.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from ._checksums import verify_parts
+from ._timing import add_stage, timing
+
+PART_BYTES = 8 << 20
+_CORES = os.cpu_count() or 1
+# Reads in flight at once in the process: beyond about 8 a server's memory bandwidth, not
+# the number of copies, bounds a read out of the page cache.
+READERS = max(4, min(8, _CORES))
+# Whether a large tensor is cut into parts read at once. Only where cores are left over once
+# a restore's concurrent groups each have one: otherwise the parts only add a pass over
+# memory (they are hashed after they are read, no longer in cache).
+SPLIT = _CORES > 4
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process id that made it, pool)
+
+
+def _readers() -> ThreadPoolExecutor:
+    """The process's pool of reading threads, made on first use (again in a forked child:
+    a pool's threads do not survive a fork, and one inherited would never run a read)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            pool = ThreadPoolExecutor(READERS, thread_name_prefix="eqx_train-read")
+            _pool = (os.getpid(), pool)
+        return _pool[1]
+
+
+def split(
+    view: memoryview, offset: int, part_bytes: int | None = None
+) -> list[tuple[memoryview, int]]:
+    """`view` (the bytes from file offset `offset` on) as consecutive parts of at most
+    `part_bytes` (default `PART_BYTES`) each: (the part's bytes, its file offset)."""
+    size = PART_BYTES if part_bytes is None else part_bytes
+    return [(view[i : i + size], offset + i) for i in range(0, len(view), size)]
+
+
+def read_tensors(
+    fill: Callable[[Any, np.ndarray, bool], None],
+    read_into: Callable[[memoryview, int], None],
+    jobs: Sequence[tuple[Any, np.ndarray]],
+    verify: bool,
+    bad: Callable[[str], Exception],
+) -> None:
+    """Fills each job's buffer (tensor info, its buffer) on the shared readers: a tensor of
+    at most two parts (or every tensor, where `SPLIT` is off) whole, by `fill(info, buffer,
+    verify)` (which hashes each chunk right after reading it); a larger one part by part,
+    with `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) on
+    this thread as its parts arrive, raising `bad(...)` if it fails. Returns, or raises, only
+    once no reader writes into any of the buffers."""
+    timed = timing()
+
+    def read(part: memoryview, offset: int) -> None:
+        start = time.perf_counter() if timed else 0.0
+        read_into(part, offset)
+        if timed:
+            add_stage("read", time.perf_counter() - start)
+
+    pool = _readers()
+    futures: list[list[Future[Any]]] = []
+    cut: list[list[tuple[memoryview, int]] | None] = []
+    try:
+        for info, out in jobs:
+            if SPLIT and info.nbytes > 2 * PART_BYTES:
+                parts = split(memoryview(out.reshape(-1).view(np.uint8)), info.start)
+                cut.append(parts)
+                futures.append([pool.submit(read, part, offset) for part, offset in parts])
+            else:
+                cut.append(None)
+                futures.append([pool.submit(fill, info, out, verify)])
+        for (info, _), parts, pending in zip(jobs, cut, futures, strict=True):
+            if parts is None:
+                pending[0].result()
+                continue
+            arrived = _Arrivals(parts, pending)
+            if verify and info.checksum:
+                start = time.perf_counter()
+                verify_parts(info, arrived, bad)
+                if timed:
+                    add_stage("verify", time.perf_counter() - start - arrived.waited)
+            else:
+                for _ in arrived:
+                    pass
+    finally:
+        # On an error (or an interrupt of this thread), the reads not yet started are
+        # dropped and those running finish before the caller lets the buffers go.
+        flat = [future for job in futures for future in job]
+        for future in flat:
+            future.cancel()
+        wait(flat)
+
+
+class _Arrivals:
+    """The parts of one tensor in order, each yielded once its read is done (its error
+    raised then); `waited` is the seconds spent waiting for reads, not hashing."""
+
+    def __init__(self, job: list[tuple[memoryview, int]], pending: list[Future[Any]]):
+        self.job, self.pending, self.waited = job, pending, 0.0
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for (part, _), future in zip(self.job, self.pending, strict=True):
+            start = time.perf_counter()
+            future.result()
+            self.waited += time.perf_counter() - start
+            yield part

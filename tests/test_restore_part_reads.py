@@ -1,0 +1,169 @@
+"""A restore reads the tensors of a local file on a pool of reading threads the process
+shares; where cores are left over, a large tensor in parts read at once, its checksum
+computed in order as the parts arrive (`format._part_reads`).
+
+The 2-core machines that run these tests read whole tensors; here `SPLIT` is turned on and
+parts are made small, so that every tensor below is read in several parts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_train import checkpoints
+from eqx_train.checkpoints import CheckpointFormatError
+from eqx_train.checkpoints.format import _part_reads
+from eqx_train.checkpoints.format._reader import FileReader
+from eqx_train.checkpoints.pipeline import _window
+from eqx_train.checkpoints.storage._local_files import LocalSource
+
+PART = 64 * 1024
+
+
+@pytest.fixture
+def parts(monkeypatch) -> list[tuple[str, int, int]]:
+    """Splits every tensor over two parts into parts of 64 KiB; returns each read made:
+    (thread name, file offset, bytes)."""
+    monkeypatch.setattr(_part_reads, "SPLIT", True)
+    monkeypatch.setattr(_part_reads, "PART_BYTES", PART)
+    reads: list[tuple[str, int, int]] = []
+    read_into = LocalSource.read_into
+
+    def recorded(self, view, offset):
+        reads.append((threading.current_thread().name, offset, len(view)))
+        return read_into(self, view, offset)
+
+    monkeypatch.setattr(LocalSource, "read_into", recorded)
+    return reads
+
+
+def _state() -> dict[str, Any]:
+    # 16 MiB in all: `read_many` reads a group this large on several threads.
+    return {
+        "f32": jnp.arange(3 * 2**20, dtype=jnp.float32),
+        "bf16": jnp.linspace(-3, 3, 2**20 + 7, dtype=jnp.bfloat16),
+        "c64": (jnp.arange(2**19, dtype=jnp.float32) * (1 - 1j)).astype(jnp.complex64),
+        "i8": (jnp.arange(2**20 + 13) % 251).astype(jnp.int8),
+        "small": jnp.arange(10.0),
+    }
+
+
+def _zeros(state: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, state)
+
+
+def _tensor(path: Any, name: str) -> tuple[int, int]:
+    with FileReader(str(path)) as reader:
+        info = reader.tensors[name]
+        return info.start, info.nbytes
+
+
+def test_large_tensors_are_read_in_parts_by_the_shared_readers(tmp_path, parts):
+    state = _state()
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    restored = checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    for name, value in state.items():
+        assert np.array_equal(np.asarray(restored[name]), np.asarray(value)), name
+    start, nbytes = _tensor(path, "f32")
+    f32_reads = sorted((o, n) for _, o, n in parts if start <= o < start + nbytes)
+    assert f32_reads == [(start + i, min(PART, nbytes - i)) for i in range(0, nbytes, PART)]
+    assert {t for t, o, _ in parts if start <= o < start + nbytes} <= {
+        f"eqx_train-read_{i}" for i in range(_part_reads.READERS)
+    }
+
+
+@pytest.mark.parametrize("where", ["first part", "a middle part", "last part"])
+def test_a_corrupt_part_of_a_tensor_fails_its_checksum(tmp_path, parts, where):
+    state = _state()
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    start, nbytes = _tensor(path, "bf16")
+    offset = {"first part": 10, "a middle part": nbytes // 2, "last part": nbytes - 3}[where]
+    with open(path, "r+b") as file:
+        file.seek(start + offset)
+        byte = file.read(1)
+        file.seek(start + offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointFormatError, match="tensor 'bf16' fails its checksum"):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    # Unverified, the same bytes are read as they are: the parts are all there.
+    restored = checkpoints.restore_checkpoint(tmp_path, _zeros(state), verify=False)
+    assert np.array_equal(np.asarray(restored["f32"]), np.asarray(state["f32"]))
+    assert not np.array_equal(np.asarray(restored["bf16"]), np.asarray(state["bf16"]))
+
+
+def test_a_failed_part_stops_the_reads_before_the_error_is_raised(tmp_path, parts, monkeypatch):
+    state = _state()
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    start, _ = _tensor(path, "f32")
+    running = []
+    read_into = LocalSource.read_into
+
+    def failing(self, view, offset):
+        running.append(1)
+        try:
+            if offset == start + 2 * PART:
+                raise OSError(5, "Input/output error")
+            time.sleep(0.001)
+            return read_into(self, view, offset)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(LocalSource, "read_into", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    assert running == []  # no reader still writes into a buffer the restore let go
+    assert _window.held_bytes() == 0
+
+
+def test_a_truncated_file_names_the_file_from_a_part(tmp_path, parts):
+    state = _state()
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    start, nbytes = _tensor(path, "f32")
+    with open(path, "r+b") as file:
+        file.truncate(start + nbytes // 2)
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+
+
+def test_without_threaded_reads_every_read_is_made_by_the_restoring_thread(tmp_path, parts):
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    parts.clear()
+    restored = checkpoints.restore_checkpoint(tmp_path, _zeros(state), threaded_reads=False)
+    assert np.array_equal(np.asarray(restored["c64"]), np.asarray(state["c64"]))
+    assert parts and not [t for t, _, _ in parts if t.startswith("eqx_train-read_")]
+
+
+def test_reading_and_verifying_show_in_the_stage_breakdown(tmp_path, parts):
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    with _window.stage_times() as times:
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    assert times["read"] > 0 and times["verify"] > 0
+
+
+def test_a_forked_child_gets_a_pool_of_its_own(monkeypatch):
+    pool = _part_reads._readers()
+    assert _part_reads._readers() is pool
+    monkeypatch.setattr(_part_reads.os, "getpid", lambda: -1)  # as in a forked child
+    assert _part_reads._readers() is not pool
+
+
+def test_parts_tile_the_bytes_they_split():
+    view = memoryview(bytes(range(256)) * 5)
+    split = _part_reads.split(view, 1000, part_bytes=300)
+    assert [(len(p), o) for p, o in split] == [
+        (300, 1000),
+        (300, 1300),
+        (300, 1600),
+        (300, 1900),
+        (80, 2200),
+    ]
+    assert b"".join(bytes(p) for p, _ in split) == bytes(view)

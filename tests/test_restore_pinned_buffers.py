@@ -1,0 +1,268 @@
+"""A restore onto an accelerator reads its tensors into one DMA-mapped host arena per client,
+reused from restore to restore, and frees each block only once its tensor is on its
+devices (`pipeline._pinned`).
+
+CPUs have no DMA mapping, so here the arena is made for CPU devices on purpose (a recorded
+fake `dma_map`): a CPU device adopts the host buffer it is placed from, which makes a block
+reused too early show up as a wrong leaf, the very failure the arena must never cause on a
+GPU (where it would be a leaf copied from bytes already overwritten).
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_train import checkpoints
+from eqx_train.checkpoints import CheckpointFormatError
+from eqx_train.checkpoints.format._arrays import buffer_for
+from eqx_train.checkpoints.pipeline import _pinned, _read, _restore, _transfer, _window
+
+MIB = 2**20
+
+
+@pytest.fixture
+def arena(monkeypatch) -> list[tuple[int, int]]:
+    """CPU devices get a 4 MiB arena; returns the (address, bytes) each `dma_map` got."""
+    mapped: list[tuple[int, int]] = []
+    monkeypatch.setattr(_pinned, "eligible", lambda platform: True)
+    monkeypatch.setattr(_pinned, "dma_map", lambda client, a, n: mapped.append((a, n)))
+    monkeypatch.setattr(_pinned, "ARENA_BYTES", 4 * MIB)
+    monkeypatch.setattr(_pinned, "_arenas", {})
+    return mapped
+
+
+def _arenas() -> list[_pinned.Arena]:
+    return [a for _, a in _pinned._arenas.values() if a is not None]
+
+
+def _state(leaves: int = 12) -> dict[str, Any]:
+    """Leaves of 512 KiB with distinct values, and a few that are not plain arrays."""
+    state: dict[str, Any] = {
+        f"w{i:02d}": jnp.arange(i * 131072, (i + 1) * 131072, dtype=jnp.float32)
+        for i in range(leaves)
+    }
+    state["bf16"] = jnp.linspace(-1, 1, 1000, dtype=jnp.bfloat16)
+    state["complex"] = jnp.arange(6, dtype=jnp.complex64) * (1 + 2j)
+    state["empty"] = jnp.zeros((0, 3))
+    state["numpy"] = np.arange(5.0)
+    state["key"] = jax.random.key(3)
+    return state
+
+
+def _assert_same(restored: Any, state: Any) -> None:
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(state), strict=True
+    ):
+        if jax.dtypes.issubdtype(getattr(b, "dtype", None), jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+
+
+def _zeros(state: Any) -> Any:
+    return jax.tree.map(
+        lambda x: (
+            x
+            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+            else (np.zeros_like(x) if isinstance(x, np.ndarray) else jnp.zeros_like(x))
+        ),
+        state,
+    )
+
+
+def test_restores_read_into_one_arena_mapped_once_and_reused(tmp_path, arena, monkeypatch):
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    handed: list[int] = []
+    allocate = _pinned.Arena.allocate
+
+    def counted(self, shape, dtype):
+        block = allocate(self, shape, dtype)
+        handed.append(0 if block is None else block.nbytes)
+        return block
+
+    monkeypatch.setattr(_pinned.Arena, "allocate", counted)
+    for _ in range(3):
+        # A window of 2 MiB: at most 4 leaves of 512 KiB in flight, the arena reused within
+        # each restore as well as between them.
+        restored = checkpoints.restore_checkpoint(
+            tmp_path, _zeros(state), host_window_bytes=2 * MIB
+        )
+        _assert_same(restored, state)
+    assert len(arena) == 1 and arena[0][1] == 4 * MIB  # mapped once, for the first restore
+    assert sum(handed) >= 3 * 12 * 512 * 1024  # every float32 leaf, every time
+    assert [a.in_use() for a in _arenas()] == [0]
+
+
+def test_a_block_is_freed_only_after_its_tensor_is_on_its_devices(tmp_path, arena, monkeypatch):
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    events: list[str] = []
+    settle, free = _restore.settle_placed, _pinned.Arena.free
+    monkeypatch.setattr(
+        _restore, "settle_placed", lambda placed: (events.append("settle"), settle(placed))
+    )
+    monkeypatch.setattr(
+        _pinned.Arena, "free", lambda self, a: (events.append("free"), free(self, a))
+    )
+    checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
+    assert "free" in events
+    assert events[0] == "settle"
+    for i, event in enumerate(events):
+        if event == "free":
+            assert "settle" in events[:i]
+
+
+def test_a_block_reused_while_a_cpu_device_still_holds_it_is_caught(tmp_path, arena, monkeypatch):
+    """The planted bug: without the copy a CPU device needs, a later tensor overwrites an
+    earlier leaf through the block they shared. This is what the tests above would see."""
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    monkeypatch.setattr(_read._PinnedBlocks, "unshared", lambda self, name, target, host: host)
+    restored = checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
+    with pytest.raises(AssertionError):
+        _assert_same(restored, state)
+
+
+def test_a_corrupt_tensor_leaves_no_block_in_use(tmp_path, arena):
+    state = _state()
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    with open(path, "r+b") as file:
+        file.seek(-4096, 2)
+        file.write(b"\xff" * 16)
+    with pytest.raises(CheckpointFormatError, match="fails its checksum"):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
+    assert [a.in_use() for a in _arenas()] == [0]
+
+
+def test_an_interrupted_restore_leaves_no_block_in_use_and_restores_again(
+    tmp_path, arena, monkeypatch
+):
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    monkeypatch.setattr(_transfer, "group_taken", lambda: _thread.interrupt_main())
+    before = _window.held_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
+    assert [a.in_use() for a in _arenas()] == [0]
+    assert _window.held_bytes() == before
+    monkeypatch.setattr(_transfer, "group_taken", lambda: None)
+    _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state)), state)
+
+
+def test_restores_in_several_threads_share_the_arena(tmp_path, arena):
+    states = [
+        jax.tree.map(
+            lambda x, i=i: x + i if isinstance(x, jax.Array) and x.dtype == jnp.float32 else x,
+            _state(),
+        )
+        for i in range(3)
+    ]
+    for i, state in enumerate(states):
+        checkpoints.save_checkpoint(tmp_path / str(i), state, 0)
+    results: dict[int, Any] = {}
+
+    def restore(i: int) -> None:
+        results[i] = checkpoints.restore_checkpoint(
+            tmp_path / str(i), _zeros(states[i]), host_window_bytes=2 * MIB
+        )
+
+    threads = [threading.Thread(target=restore, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for i, state in enumerate(states):
+        _assert_same(results[i], state)
+    assert len(arena) == 1 and [a.in_use() for a in _arenas()] == [0]
+
+
+def test_equinox_modules_with_batch_norm_state_restore_through_the_arena(tmp_path, arena):
+    model, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(64, "batch", mode="batch")
+    mlp = eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0))
+    tree = (mlp, model, bn_state)
+    checkpoints.save_checkpoint(tmp_path, tree, 0)
+    target = jax.tree.map(lambda x: jnp.zeros_like(x) if eqx.is_array(x) else x, tree)
+    restored = checkpoints.restore_checkpoint(tmp_path, target)
+    assert eqx.tree_equal(restored, tree)
+
+
+def test_a_runtime_without_dma_mapping_gets_no_arena_and_restores_as_before(tmp_path, monkeypatch):
+    monkeypatch.setattr(_pinned, "eligible", lambda platform: True)
+    monkeypatch.setattr(_pinned, "_arenas", {})
+    # The real call: a CPU client answers UNIMPLEMENTED.
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state)), state)
+    assert [a for _, a in _pinned._arenas.values()] == [None]  # refused once, remembered
+
+
+def test_a_cpu_device_gets_no_arena():
+    assert _pinned.arena_for(jax.devices("cpu")[0]) is None
+
+
+def test_the_arena_hands_out_page_aligned_blocks_and_merges_freed_neighbours():
+    arena = _pinned.Arena(16 * 4096, lambda a, n: None)
+    a = arena.allocate((4096,), np.dtype(np.float32))  # 4 pages
+    b = arena.allocate((100,), np.dtype(np.uint8))  # 1 page
+    c = arena.allocate((3, 4096), np.dtype(np.uint8))  # 3 pages
+    assert a is not None and b is not None and c is not None
+    assert all(x.ctypes.data % 4096 == 0 for x in (a, b, c))
+    assert arena.in_use() == 8 * 4096
+    assert arena.allocate((9 * 4096,), np.dtype(np.uint8)) is None  # 8 pages left
+    assert arena.allocate((0, 5), np.dtype(np.float32)) is None  # nothing to transfer
+    arena.free(a)
+    arena.free(b)  # merges with a's block: 5 pages free at the start
+    d = arena.allocate((5 * 4096,), np.dtype(np.uint8))
+    assert d is not None and d.ctypes.data == arena.address
+    arena.free(c)
+    arena.free(d)
+    assert arena.in_use() == 0
+    whole = arena.allocate((16 * 4096,), np.dtype(np.uint8))  # everything merged back
+    assert whole is not None
+    with pytest.raises(KeyError):
+        arena.free(whole[4096:])  # not a block it handed out
+
+
+def test_an_arena_released_while_unused_is_unmapped_and_made_again(monkeypatch):
+    unmapped: list[int] = []
+
+    class Client:
+        def dma_map(self, address: int, nbytes: int) -> None:
+            pass
+
+        def dma_unmap(self, address: int) -> None:
+            unmapped.append(address)
+
+    class Device:
+        platform = "gpu"
+        client = Client()
+
+    monkeypatch.setattr(_pinned, "_arenas", {})
+    monkeypatch.setattr(_pinned, "ARENA_BYTES", 8192)
+    first = _pinned.arena_for(Device())
+    assert first is not None and _pinned.arena_for(Device()) is first
+    block = first.allocate((10,), np.dtype(np.uint8))
+    _pinned.release()
+    assert unmapped == []  # a block is in use: kept
+    assert block is not None
+    first.free(block)
+    _pinned.release()
+    assert unmapped == [first.address]
+    assert _pinned.arena_for(Device()) is not first
+
+
+def test_a_buffer_offered_for_a_tensor_must_fit_it():
+    wrong = np.zeros((3, 2), np.float32)
+    with pytest.raises(ValueError, match="C-contiguous float32\\[2, 3\\]"):
+        buffer_for("w", (2, 3), np.dtype(np.float32), lambda *_: wrong)
+    with pytest.raises(ValueError, match="tensor 'w'"):
+        buffer_for("w", (3, 2), np.dtype(np.float32), lambda *_: np.zeros((2, 3), np.float32).T)
+    assert buffer_for("w", (3, 2), np.dtype(np.float32), lambda *_: None).shape == (3, 2)
