@@ -600,8 +600,8 @@ def main() -> None:
         else f"no pinned arena: {platform} has no DMA mapping (restores read into fresh buffers)"
     )
     run.notes.append(
-        f"part reads: {_part_reads.READERS} shared readers; large tensors cut into parts of "
-        f"{_part_reads.PART_BYTES >> 20} MiB: {_part_reads.SPLIT}"
+        f"part reads: {_part_reads.READERS} shared readers; tensors over "
+        f"{_part_reads.SPLIT_BYTES >> 20} MiB cut into parts of {_part_reads.PART_BYTES >> 20} MiB"
     )
     if not cold:
         run.notes.append(f"no cold-cache numbers: {DROP_CACHES} not written (--no-cold?)")

@@ -2,8 +2,8 @@
 shares; where cores are left over, a large tensor in parts read at once, its checksum
 computed in order as the parts arrive (`format._part_reads`).
 
-The 2-core machines that run these tests read whole tensors; here `SPLIT` is turned on and
-parts are made small, so that every tensor below is read in several parts.
+Here parts are made small (and tensors of over two parts split), so that every tensor below
+is read in several parts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PART = 64 * 1024
 def parts(monkeypatch) -> list[tuple[str, int, int]]:
     """Splits every tensor over two parts into parts of 64 KiB; returns each read made:
     (thread name, file offset, bytes)."""
-    monkeypatch.setattr(_part_reads, "SPLIT", True)
+    monkeypatch.setattr(_part_reads, "SPLIT_BYTES", 2 * PART)
     monkeypatch.setattr(_part_reads, "PART_BYTES", PART)
     reads: list[tuple[str, int, int]] = []
     read_into = LocalSource.read_into

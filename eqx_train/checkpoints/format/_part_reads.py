@@ -4,11 +4,11 @@ One thread copies a file out of the page cache (or a RAM disk) at a few GiB/s; a
 memory moves several times that, but only with several copies in flight. So the tensors a
 restore reads together go to a pool of `READERS` threads that every read of the process
 shares (the concurrent groups of a restore then keep about `READERS` reads in flight
-between them): a tensor of a few parts whole, hashed chunk by chunk right after each chunk
-is read, while it is still in cache; where the machine has cores to spare (`SPLIT`), a
-large one in parts of `PART_BYTES` read at once, whose checksum the calling thread computes
-part by part, in order, as they arrive (xxh3 runs at several GiB/s per core, faster than a
-thread reads), overlapping the reads of the parts after it and of the other groups.
+between them): a tensor of at most `SPLIT_BYTES` whole, hashed chunk by chunk right after
+each chunk is read, while it is still in cache; a larger one in parts of `PART_BYTES` read
+at once, whose checksum the calling thread computes part by part, in order, as they arrive
+(xxh3 runs at several GiB/s per core, faster than a thread reads), overlapping the reads of
+the parts after it and of the other groups.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ _CORES = os.cpu_count() or 1
 # Reads in flight at once in the process: beyond about 8 a server's memory bandwidth, not
 # the number of copies, bounds a read out of the page cache.
 READERS = max(4, min(8, _CORES))
-# Whether a large tensor is cut into parts read at once. Only where cores are left over once
-# a restore's concurrent groups each have one: otherwise the parts only add a pass over
-# memory (they are hashed after they are read, no longer in cache).
-SPLIT = _CORES > 4
+# Tensors larger than this are cut into parts read at once. With cores to spare, any of more
+# than two parts. On a few cores only those a restore's window reads (nearly) alone: where
+# several groups are in flight their readers already keep the cores busy, and parts only
+# add a pass over memory (a part is hashed after it is read, no longer in cache).
+SPLIT_BYTES = 2 * PART_BYTES if _CORES > 4 else 128 << 20
 
 _pool_lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process id that made it, pool)
@@ -67,8 +68,8 @@ def read_tensors(
     bad: Callable[[str], Exception],
 ) -> None:
     """Fills each job's buffer (tensor info, its buffer) on the shared readers: a tensor of
-    at most two parts (or every tensor, where `SPLIT` is off) whole, by `fill(info, buffer,
-    verify)` (which hashes each chunk right after reading it); a larger one part by part,
+    at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)` (which hashes each chunk
+    right after reading it); a larger one part by part,
     with `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) on
     this thread as its parts arrive, raising `bad(...)` if it fails. Returns, or raises, only
     once no reader writes into any of the buffers."""
@@ -85,7 +86,7 @@ def read_tensors(
     cut: list[list[tuple[memoryview, int]] | None] = []
     try:
         for info, out in jobs:
-            if SPLIT and info.nbytes > 2 * PART_BYTES:
+            if info.nbytes > max(SPLIT_BYTES, PART_BYTES):
                 parts = split(memoryview(out.reshape(-1).view(np.uint8)), info.start)
                 cut.append(parts)
                 futures.append([pool.submit(read, part, offset) for part, offset in parts])
