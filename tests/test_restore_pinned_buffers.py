@@ -57,11 +57,15 @@ def _state(leaves: int = 12) -> dict[str, Any]:
     return state
 
 
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _assert_same(restored: Any, state: Any) -> None:
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(state), strict=True
     ):
-        if jax.dtypes.issubdtype(getattr(b, "dtype", None), jax.dtypes.prng_key):
+        if _is_key(b):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
 
@@ -70,7 +74,7 @@ def _zeros(state: Any) -> Any:
     return jax.tree.map(
         lambda x: (
             x
-            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+            if _is_key(x)
             else (np.zeros_like(x) if isinstance(x, np.ndarray) else jnp.zeros_like(x))
         ),
         state,

@@ -63,15 +63,15 @@ def split(
 def read_tensors(
     fill: Callable[[Any, np.ndarray, bool], None],
     read_into: Callable[[memoryview, int], None],
-    jobs: Sequence[tuple[Any, np.ndarray]],
+    jobs: Sequence[tuple[Any, np.ndarray, memoryview]],
     verify: bool,
     bad: Callable[[str], Exception],
 ) -> None:
-    """Fills each job's buffer (tensor info, its buffer) on the shared readers: a tensor of
-    at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)` (which hashes each chunk
-    right after reading it); a larger one part by part,
-    with `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) on
-    this thread as its parts arrive, raising `bad(...)` if it fails. Returns, or raises, only
+    """Fills each job's buffer (tensor info, its buffer, the buffer's bytes) on the shared
+    readers: a tensor of at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)`
+    (which hashes each chunk right after reading it); a larger one part by part, with
+    `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) on this
+    thread as its parts arrive, raising `bad(...)` if it fails. Returns, or raises, only
     once no reader writes into any of the buffers."""
     timed = timing()
 
@@ -85,15 +85,15 @@ def read_tensors(
     futures: list[list[Future[Any]]] = []
     cut: list[list[tuple[memoryview, int]] | None] = []
     try:
-        for info, out in jobs:
+        for info, out, view in jobs:
             if info.nbytes > max(SPLIT_BYTES, PART_BYTES):
-                parts = split(memoryview(out.reshape(-1).view(np.uint8)), info.start)
+                parts = split(view, info.start)
                 cut.append(parts)
                 futures.append([pool.submit(read, part, offset) for part, offset in parts])
             else:
                 cut.append(None)
                 futures.append([pool.submit(fill, info, out, verify)])
-        for (info, _), parts, pending in zip(jobs, cut, futures, strict=True):
+        for (info, _, _), parts, pending in zip(jobs, cut, futures, strict=True):
             if parts is None:
                 pending[0].result()
                 continue

@@ -328,7 +328,7 @@ class FileReader(ReaderBase):
                 if verify and info.checksum:
                     verify_bytes(info, view, self.bad)
         elif parallel and sum(i.nbytes for i in infos) >= _PARALLEL_MIN_BYTES:
-            jobs = list(zip(infos, outs, strict=True))
+            jobs = list(zip(infos, outs, views, strict=True))
             _part_reads.read_tensors(self._fill, self.source.read_into, jobs, verify, self.bad)
         else:
             for info, out in zip(infos, outs, strict=True):
