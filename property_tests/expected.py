@@ -1,4 +1,5 @@
-"""Expected results stated independently of the code under test, shared by the laws."""
+"""Expected results stated independently of the code under test, shared by the laws (and
+the search budget with which a planted bug must break one, `DEFAULT_BUDGET`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 from eqx_train.testing import strategies as ets
+
+# hypothesis's default budget, searched the same way every run, stopping at the first
+# failure: a planted bug must break a law within it.
+DEFAULT_BUDGET = settings(
+    max_examples=100,
+    database=None,
+    derandomize=True,
+    phases=[Phase.generate],
+    # hypothesis's enum metaclass hides from pyright that iterating gives its members
+    suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]
+)
 
 #: The dtypes a JAX array can hold without `jax_enable_x64`: every saved dtype but the
 #: 64-bit ones (JAX would turn those into their 32-bit counterparts).

@@ -10,21 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, find, settings, strategies as st
+from hypothesis import find, strategies as st
 
 from eqx_train import checkpoints
 from eqx_train._tree import place_like
 from eqx_train.testing import assert_checkpoint_roundtrip, assert_resumes_exactly, strategies as ets
-
-# The default budget, searched the same way every run, stopping at the first failure.
-DEFAULT_BUDGET = settings(
-    max_examples=100,
-    database=None,
-    derandomize=True,
-    phases=[Phase.generate],
-    # hypothesis's enum metaclass hides from pyright that iterating gives its members
-    suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]
-)
+from property_tests.expected import DEFAULT_BUDGET
 
 _RESTORE = checkpoints.restore_checkpoint
 

@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
+from hypothesis import find, given, strategies as st
 
 from eqx_train.checkpoints import CheckpointFormatError, save_checkpoint
 from eqx_train.checkpoints.format import _part_reads, _reader
 from eqx_train.checkpoints.format._reader import FileReader
+from property_tests.expected import DEFAULT_BUDGET
 
 DTYPES = [np.float32, np.int8, np.uint16, np.float64, np.complex64, np.bool_]
 
@@ -125,15 +126,8 @@ def test_the_law_catches_parts_read_from_the_wrong_place(monkeypatch):
         return parts
 
     monkeypatch.setattr(_part_reads, "split", swapped)
-    budget = settings(
-        max_examples=100,
-        database=None,
-        derandomize=True,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),  # pyright: ignore[reportArgumentType]
-    )
     # `find` raises `NoSuchExample` when no draw within the budget breaks the law.
     specs, part_bytes = find(
-        st.tuples(TENSORS, PARTS), lambda drawn: not _law_holds(*drawn), settings=budget
+        st.tuples(TENSORS, PARTS), lambda drawn: not _law_holds(*drawn), settings=DEFAULT_BUDGET
     )
     assert not _law_holds(specs, part_bytes)
