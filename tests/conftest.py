@@ -4,6 +4,8 @@ The suites run on 8 simulated CPU devices, so the multi-device code paths run on
 machine. Tests that start subprocesses give those their own environment.
 """
 
+import signal
+
 import jax
 import jaxtyping
 import pytest
@@ -23,6 +25,18 @@ def without_type_checks():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.fixture
+def interruptible():
+    """Ctrl-C (SIGINT, or `_thread.interrupt_main()`) raises `KeyboardInterrupt` in the main
+    thread for one test, however the suite was started: a shell's background job (CI runs a
+    lane so) inherits SIGINT ignored, and then an interrupt would silently do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

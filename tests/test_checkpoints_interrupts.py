@@ -22,6 +22,9 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _transfer, _window
 
+# Every interrupt below is delivered as SIGINT, which must raise however the suite started.
+pytestmark = pytest.mark.usefixtures("interruptible")
+
 LEAF = 64 << 10  # bytes of each leaf below
 
 

@@ -25,6 +25,9 @@ from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.checkpoints.format._arrays import buffer_for
 from eqx_train.checkpoints.pipeline import _pinned, _read, _restore, _transfer, _window
 
+# Every interrupt below is delivered as SIGINT, which must raise however the suite started.
+pytestmark = pytest.mark.usefixtures("interruptible")
+
 MIB = 2**20
 
 

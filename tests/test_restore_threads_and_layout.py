@@ -31,6 +31,9 @@ from eqx_train.checkpoints.format import _description, _format
 from eqx_train.checkpoints.pipeline import _restore, _transfer, _window
 from tests.support.helpers import assert_trees_equal
 
+# Every interrupt below is delivered as SIGINT, which must raise however the suite started.
+pytestmark = pytest.mark.usefixtures("interruptible")
+
 LEAF = 64 << 10  # bytes of each leaf of `_leaves`
 
 
