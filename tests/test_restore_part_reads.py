@@ -8,6 +8,7 @@ is read in several parts.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -29,10 +30,11 @@ PART = 64 * 1024
 
 @pytest.fixture
 def parts(monkeypatch) -> list[tuple[str, int, int]]:
-    """Splits every tensor over two parts into parts of 64 KiB; returns each read made:
-    (thread name, file offset, bytes)."""
+    """Splits every tensor over two parts into parts of 64 KiB, as for a file in memory;
+    returns each read made: (thread name, file offset, bytes)."""
     monkeypatch.setattr(_part_reads, "SPLIT_BYTES", 2 * PART)
     monkeypatch.setattr(_part_reads, "PART_BYTES", PART)
+    monkeypatch.setattr(LocalSource, "cached", lambda self, offset, length: True)
     reads: list[tuple[str, int, int]] = []
     read_into = LocalSource.read_into
 
@@ -77,6 +79,61 @@ def test_large_tensors_are_read_in_parts_by_the_shared_readers(tmp_path, parts):
     assert {t for t, o, _ in parts if start <= o < start + nbytes} <= {
         f"eqx_train-read_{i}" for i in range(_part_reads.READERS)
     }
+
+
+def test_a_tensor_still_on_the_disk_is_read_whole_front_to_back(tmp_path, parts, monkeypatch):
+    state = _state()
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    f32_start, f32_bytes = _tensor(path, "f32")
+    asked = []
+
+    def cached(self, offset, length):  # only f32 is still on the disk
+        asked.append((offset, length))
+        return offset != f32_start
+
+    monkeypatch.setattr(LocalSource, "cached", cached)
+    restored = checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    for name, value in state.items():
+        assert np.array_equal(np.asarray(restored[name]), np.asarray(value)), name
+    assert (f32_start, f32_bytes) in asked
+    f32_reads = sorted(o - f32_start for _, o, _ in parts if f32_start <= o < f32_start + f32_bytes)
+    # One stream of consecutive chunks (the checksum's), one thread: not parts at once.
+    assert len({t for t, o, _ in parts if f32_start <= o < f32_start + f32_bytes}) == 1
+    assert f32_reads[0] == 0 and len(f32_reads) < f32_bytes // PART
+    start, nbytes = _tensor(path, "i8")  # in memory: in parts as before
+    assert len([o for _, o, _ in parts if start <= o < start + nbytes]) == -(-nbytes // PART)
+
+
+def _file_system(path: Any) -> str:
+    """The type of the file system `path` is on (Linux's mount table), or '' if unknown."""
+    best, kind = "", ""
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _, point, fs_type = line.split()[:3]
+            if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+                best, kind = point, fs_type
+    return kind
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux's RWF_NOWAIT reads")
+def test_a_file_says_whether_its_bytes_are_in_memory(tmp_path):
+    if _file_system(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("a file in memory stays there: nothing to drop")
+    path = tmp_path / "bytes"
+    data = np.random.default_rng(0).bytes(64 << 20)  # far more than a readahead window
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())  # clean pages: the kernel drops them when asked
+    source = LocalSource(str(path), CheckpointFormatError)
+    try:
+        assert source.cached(0, len(data))  # just written
+        os.posix_fadvise(source.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not source.cached(0, len(data))
+        source.read_into(memoryview(bytearray(4096)), len(data) - 4096)
+        assert source.cached(len(data) - 4096, 4096)  # the page just read
+    finally:
+        source.close()
 
 
 @pytest.mark.parametrize("where", ["first part", "a middle part", "last part"])

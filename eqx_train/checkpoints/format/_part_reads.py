@@ -8,7 +8,9 @@ between them): a tensor of at most `SPLIT_BYTES` whole, hashed chunk by chunk ri
 each chunk is read, while it is still in cache; a larger one in parts of `PART_BYTES` read
 at once, whose checksum the calling thread computes part by part, in order, as they arrive
 (xxh3 runs at several GiB/s per core, faster than a thread reads), overlapping the reads of
-the parts after it and of the other groups.
+the parts after it and of the other groups. Only a tensor in memory is cut, though: one
+still on the disk (the source says, `LocalSource.cached`) is read whole, front to back, the
+order a disk's readahead serves fastest.
 """
 
 from __future__ import annotations
@@ -66,13 +68,16 @@ def read_tensors(
     jobs: Sequence[tuple[Any, np.ndarray, memoryview]],
     verify: bool,
     bad: Callable[[str], Exception],
+    cached: Callable[[int, int], bool] | None = None,
 ) -> None:
     """Fills each job's buffer (tensor info, its buffer, the buffer's bytes) on the shared
     readers: a tensor of at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)`
     (which hashes each chunk right after reading it); a larger one part by part, with
     `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) on this
-    thread as its parts arrive, raising `bad(...)` if it fails. Returns, or raises, only
-    once no reader writes into any of the buffers."""
+    thread as its parts arrive, raising `bad(...)` if it fails; but whole too where
+    `cached(file offset, bytes)` says its bytes are not in memory (a disk serves one
+    stream front to back faster than scattered parts). Returns, or raises, only once no
+    reader writes into any of the buffers."""
     timed = timing()
 
     def read(part: memoryview, offset: int) -> None:
@@ -86,7 +91,9 @@ def read_tensors(
     cut: list[list[tuple[memoryview, int]] | None] = []
     try:
         for info, out, view in jobs:
-            if info.nbytes > max(SPLIT_BYTES, PART_BYTES):
+            if info.nbytes > max(SPLIT_BYTES, PART_BYTES) and (
+                cached is None or cached(info.start, info.nbytes)
+            ):
                 parts = split(view, info.start)
                 cut.append(parts)
                 futures.append([pool.submit(read, part, offset) for part, offset in parts])

@@ -329,7 +329,10 @@ class FileReader(ReaderBase):
                     verify_bytes(info, view, self.bad)
         elif parallel and sum(i.nbytes for i in infos) >= _PARALLEL_MIN_BYTES:
             jobs = list(zip(infos, outs, views, strict=True))
-            _part_reads.read_tensors(self._fill, self.source.read_into, jobs, verify, self.bad)
+            cached = getattr(self.source, "cached", None)
+            _part_reads.read_tensors(
+                self._fill, self.source.read_into, jobs, verify, self.bad, cached
+            )
         else:
             for info, out in zip(infos, outs, strict=True):
                 self._fill(info, out, verify)

