@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -177,6 +179,37 @@ def test_a_failed_part_stops_the_reads_before_the_error_is_raised(tmp_path, part
         checkpoints.restore_checkpoint(tmp_path, _zeros(state))
     assert running == []  # no reader still writes into a buffer the restore let go
     assert _window.held_bytes() == 0
+
+
+def test_a_submit_that_fails_midway_still_waits_for_the_parts_already_submitted(monkeypatch):
+    class FailingPool:  # the third submit fails (an interpreter shutting down, say)
+        def __init__(self):
+            self.pool, self.submits = ThreadPoolExecutor(4), 0
+
+        def submit(self, *args):
+            self.submits += 1
+            if self.submits == 3:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            return self.pool.submit(*args)
+
+    monkeypatch.setattr(_part_reads, "_readers", FailingPool)
+    monkeypatch.setattr(_part_reads, "SPLIT_BYTES", 2 * PART)
+    monkeypatch.setattr(_part_reads, "PART_BYTES", PART)
+    filling = []
+
+    def read_into(view, offset):
+        filling.append(offset)
+        time.sleep(0.2)
+        view[:] = b"x" * len(view)
+        filling.remove(offset)
+
+    info = types.SimpleNamespace(name="t", nbytes=4 * PART, start=0, checksum=None)
+    out = np.zeros(4 * PART, np.uint8)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        _part_reads.read_tensors(
+            lambda *args: None, read_into, [(info, out, out.data)], True, ValueError
+        )
+    assert filling == []  # no read still writes into `out`, which the caller lets go
 
 
 def test_a_truncated_file_names_the_file_from_a_part(tmp_path, parts):

@@ -11,7 +11,9 @@ GPU (where it would be a leaf copied from bytes already overwritten).
 from __future__ import annotations
 
 import _thread
+import sys
 import threading
+import time
 from typing import Any
 
 import equinox as eqx
@@ -24,6 +26,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.checkpoints.format._arrays import buffer_for
 from eqx_train.checkpoints.pipeline import _pinned, _read, _restore, _transfer, _window
+from eqx_train.checkpoints.storage._local_files import LocalSource
 
 # Every interrupt below is delivered as SIGINT, which must raise however the suite started.
 pytestmark = pytest.mark.usefixtures("interruptible")
@@ -160,6 +163,60 @@ def test_an_interrupted_restore_leaves_no_block_in_use_and_restores_again(
         checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
     assert [a.in_use() for a in _arenas()] == [0]
     assert _window.held_bytes() == before
+    monkeypatch.setattr(_transfer, "group_taken", lambda: None)
+    _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state)), state)
+
+
+def _main_thread_is_in(function_name: str) -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_second_interrupt_while_a_restore_stops_frees_no_block_a_reader_still_fills(
+    tmp_path, arena, monkeypatch
+):
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    filling, release = [], threading.Event()
+    read_into = LocalSource.read_into
+
+    def slow_read(self, view, offset):  # a read that the disk holds up
+        if not threading.current_thread().name.startswith("eqx_train-restore-read"):
+            return read_into(self, view, offset)
+        filling.append(offset)
+        try:
+            assert release.wait(30)
+            return read_into(self, view, offset)
+        finally:
+            filling.remove(offset)
+
+    def second_interrupt():
+        deadline = time.monotonic() + 30
+        while not _main_thread_is_in("shutdown") and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the restore waits for its readers
+        _thread.interrupt_main()  # Ctrl-C again
+        time.sleep(0.2)
+        release.set()
+
+    def group_taken():
+        if not release.is_set() and not second.is_alive():
+            second.start()
+            _thread.interrupt_main()
+
+    second = threading.Thread(target=second_interrupt, daemon=True)
+    monkeypatch.setattr(LocalSource, "read_into", slow_read)
+    monkeypatch.setattr(_transfer, "group_taken", group_taken)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
+    second.join(30)
+    # Raised only once no reader writes into a block: a block freed under a read would take
+    # its bytes after the next restore had read and verified its own there.
+    assert filling == []
+    assert [a.in_use() for a in _arenas()] == [0]
     monkeypatch.setattr(_transfer, "group_taken", lambda: None)
     _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state)), state)
 

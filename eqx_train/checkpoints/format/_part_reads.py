@@ -91,15 +91,20 @@ def read_tensors(
     cut: list[list[tuple[memoryview, int]] | None] = []
     try:
         for info, out, view in jobs:
+            # Each read recorded as soon as it is submitted: a submit that fails, or an
+            # interrupt between two, must not leave a read the `finally` does not wait for.
+            pending: list[Future[Any]] = []
+            futures.append(pending)
             if info.nbytes > max(SPLIT_BYTES, PART_BYTES) and (
                 cached is None or cached(info.start, info.nbytes)
             ):
                 parts = split(view, info.start)
                 cut.append(parts)
-                futures.append([pool.submit(read, part, offset) for part, offset in parts])
+                for part, offset in parts:
+                    pending.append(pool.submit(read, part, offset))
             else:
                 cut.append(None)
-                futures.append([pool.submit(fill, info, out, verify)])
+                pending.append(pool.submit(fill, info, out, verify))
         for (info, _, _), parts, pending in zip(jobs, cut, futures, strict=True):
             if parts is None:
                 pending[0].result()
@@ -119,7 +124,24 @@ def read_tensors(
         flat = [future for job in futures for future in job]
         for future in flat:
             future.cancel()
-        wait(flat)
+        wait_through_interrupts(lambda: wait(flat))
+
+
+def wait_through_interrupts(wait_for: Callable[[], Any]) -> None:
+    """Runs `wait_for` (a wait for threads that write into buffers about to be let go) to
+    its end, even through interrupts: a second Ctrl-C while an interrupted read cleans up
+    must not free a buffer a thread still writes into (a reused pinned block would then
+    take an old read's bytes after its own were verified). The last interrupt is raised
+    once the wait is over."""
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            wait_for()
+            break
+        except (KeyboardInterrupt, SystemExit) as error:
+            interrupt = error
+    if interrupt is not None:
+        raise interrupt
 
 
 class _Arrivals:

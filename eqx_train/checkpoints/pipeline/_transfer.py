@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..._calls import call, in_context
+from ..format._part_reads import wait_through_interrupts
 from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 
 # A restore reads up to this many groups of leaves at once, each a share of the window.
@@ -318,6 +319,8 @@ def windowed_reads(
                 pass
         finally:
             try:
-                reads.shutdown(wait=True, cancel_futures=True)
+                # Not cut short by a second interrupt: the pool's threads may still write
+                # into buffers the caller frees (or reuses: pinned blocks) once this ends.
+                wait_through_interrupts(lambda: reads.shutdown(wait=True, cancel_futures=True))
             finally:
                 window.release_all()
