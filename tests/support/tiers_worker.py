@@ -42,7 +42,7 @@ jax.distributed.initialize(
 
 from eqx_train.checkpoints import CheckpointManager  # noqa: E402
 from eqx_train.checkpoints.manager import _manager, _tiers  # noqa: E402
-from eqx_train.checkpoints.pipeline import _local_tier  # noqa: E402
+from eqx_train.checkpoints.pipeline import _local_tier, _restore  # noqa: E402
 
 PERSISTENT = os.path.join(base, "persistent")
 LOCAL = os.path.join(base, f"local_{pid}")
@@ -114,7 +114,7 @@ def forbid_persistent_reads():
         raise AssertionError("the persistent tier was read")
 
     _manager.restore_entry = refuse
-    _manager._restore.restore = refuse
+    _restore.restore = refuse
 
 
 def hook_kill():

@@ -15,7 +15,7 @@ from jax.typing import ArrayLike
 from ..._calls import calling, in_context
 from ..._progress import Progress
 from ..format import _names
-from ..pipeline import _directory
+from ..pipeline import _directory, _restore
 from ..pipeline._async import AsyncManager
 from ..pipeline._options import RestoreOptions, SaveOptions
 from ..pipeline._restore import (
@@ -28,12 +28,13 @@ from ..pipeline._window import DEFAULT_HOST_WINDOW_BYTES
 from ..storage import _locations
 from . import _preemption, _retention
 from ._checks import manager_options
+from ._fallback import restore_latest_that_verifies
 from ._restoring import Restoring
 from ._retention import ManagedDirectory
 from ._retention_policy import RetentionPolicy
 from ._save_policy import SavePolicy
 from ._save_timing import SaveTiming
-from ._tiers import HOST_STATE_KEY, LastRestore, LocalTier, encode_host_states
+from ._tiers import HOST_STATE_KEY, LastRestore, LocalTier, Tiers, encode_host_states
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ T = TypeVar("T")
 _clock = time.monotonic
 
 
-class CheckpointManager(ManagedDirectory, SaveTiming, Restoring):
+class CheckpointManager(ManagedDirectory, SaveTiming, Tiers, Restoring):
     """Saves checkpoints into one directory and decides which to keep.
 
     Which checkpoints to keep is a retention policy, applied after each save is durable;
@@ -322,6 +323,32 @@ class CheckpointManager(ManagedDirectory, SaveTiming, Restoring):
             exc.add_note(f"Also, a background checkpoint save failed: {save_error!r}")
 
     # ------------------------------------------------------------------ internals
+
+    def _restore_step(self, target: T, step: Any, options: RestoreOptions) -> T:
+        """The checkpoint of `step` (None: the latest) restored, as `restore_checkpoint`
+        restores it from the manager's directory."""
+        return _restore.restore(
+            self._store, self.directory, target, step, self._options.prefix, options
+        )
+
+    def _restore_latest(self, target: T, options: RestoreOptions) -> T:
+        """The newest checkpoint that verifies restored; the others skipped, moved aside."""
+        restored = restore_latest_that_verifies(
+            self._store,
+            self.directory,
+            self._listing,
+            lambda entry: self._restore_entry(entry, target, options),
+            target,
+            timeout_s=self._options.timeout_s,
+            attempts=self._attempts,
+        )
+        self._schedule.latest_known = False  # one skipped was moved aside: list again
+        if restored is target:
+            self._restored = None
+            # No checkpoint of its own (a fine-tune's first run): other weights in the
+            # directory (a Hugging Face layout) are read, or refused by name, never skipped.
+            return self._restore_step(target, None, options)
+        return restored
 
     def _restore_entry(self, entry: _directory.Entry, target: T, options: RestoreOptions) -> T:
         restored = restore_entry(self._store, entry, target, options)

@@ -1,6 +1,5 @@
-"""The restoring half of `CheckpointManager`: `restore` of the latest checkpoint (the
-local tiers first, then the newest persistent one that verifies), of a step, or of the
-best. The manager inherits it."""
+"""The restoring half of `CheckpointManager`: its `restore` (the latest checkpoint, a step
+or the best, with the fallback and the local tiers). The manager inherits it."""
 
 from __future__ import annotations
 
@@ -10,31 +9,46 @@ from typing import Any, Literal, TypeVar, overload
 from ..._calls import calling
 from ..._progress import Progress, reporting
 from ..format import _names
-from ..pipeline import _directory, _matching, _restore, _transform
+from ..pipeline import _directory, _matching, _transform
 from ..pipeline._options import RestoreOptions
-from ..pipeline._restore import RESTORE_ATTEMPTS
 from ._checks import restore_options
-from ._fallback import restore_latest_that_verifies
-from ._retention import Ranking
-from ._tiers import Tiers
 
 T = TypeVar("T")
 
 
-class Restoring(Tiers):
-    """`CheckpointManager.restore` and the ways it finds what to restore; set up by the
-    manager's constructor, which also restores one checkpoint (`_restore_entry`)."""
+class Restoring:
+    """`CheckpointManager.restore`: which checkpoint a call restores (the local tiers first,
+    a step, the best, or the newest that verifies) and the report it leaves. The manager
+    provides the steps below (its listing, the restores of a step, of the newest that
+    verifies and of the local tiers) and sets the attributes in its constructor."""
 
     directory: str
-    _store: Any
-    _options: Any
-    _ranking: Ranking
-    _schedule: Any
+    _options: Any  # the manager's checked `ManagerOptions`
+    _ranking: Any  # a `_retention.Ranking`
+    _schedule: Any  # a `_preemption.SaveSchedule`
+    _attempts: int
+    _restored: _directory.Entry | None
+    _last_restore: Any  # a `_tiers.LastRestore`, or None
 
     def wait(self) -> None:
         raise NotImplementedError
 
+    def _listing(self) -> list[_directory.Entry]:
+        raise NotImplementedError
+
     def _restore_entry(self, entry: _directory.Entry, target: T, options: RestoreOptions) -> T:
+        raise NotImplementedError
+
+    def _restore_step(self, target: T, step: Any, options: RestoreOptions) -> T:
+        raise NotImplementedError
+
+    def _restore_latest(self, target: T, options: RestoreOptions) -> T:
+        raise NotImplementedError
+
+    def _restore_local(self, target: Any, began: float) -> tuple[bool, Any]:
+        raise NotImplementedError
+
+    def _persistent_report(self, tree: Any, target: Any, step: Any, began: float) -> Any:
         raise NotImplementedError
 
     @overload
@@ -163,32 +177,6 @@ class Restoring(Tiers):
             self._last_restore = self._persistent_report(tree, target, step, began)
             return tree
 
-    def _restore_step(self, target: T, step: Any, options: RestoreOptions) -> T:
-        """The checkpoint of `step` (None: the latest) restored, as `restore_checkpoint`
-        restores it from the manager's directory."""
-        return _restore.restore(
-            self._store, self.directory, target, step, self._options.prefix, options
-        )
-
-    def _restore_latest(self, target: T, options: RestoreOptions) -> T:
-        """The newest checkpoint that verifies restored; the others skipped, moved aside."""
-        restored = restore_latest_that_verifies(
-            self._store,
-            self.directory,
-            self._listing,
-            lambda entry: self._restore_entry(entry, target, options),
-            target,
-            timeout_s=self._options.timeout_s,
-            attempts=RESTORE_ATTEMPTS,
-        )
-        self._schedule.latest_known = False  # one skipped was moved aside: list again
-        if restored is target:
-            self._restored = None
-            # No checkpoint of its own (a fine-tune's first run): other weights in the
-            # directory (a Hugging Face layout) are read, or refused by name, never skipped.
-            return self._restore_step(target, None, options)
-        return restored
-
     def _restore_best(self, target: T, options: RestoreOptions) -> T:
         return self._ranking.restore_best(
             self._listing,
@@ -196,5 +184,5 @@ class Restoring(Tiers):
             directory=self.directory,
             metric=self._options.best_metric,
             mode=self._options.mode,
-            attempts=RESTORE_ATTEMPTS,
+            attempts=self._attempts,
         )
