@@ -111,6 +111,26 @@ def test_restores_read_into_one_arena_mapped_once_and_reused(tmp_path, arena, mo
     assert [a.in_use() for a in _arenas()] == [0]
 
 
+@pytest.mark.parametrize("memory_kind", ["pinned_host", "unpinned_host"])
+def test_a_target_in_host_memory_gets_buffers_of_its_own(tmp_path, arena, monkeypatch, memory_kind):
+    """A leaf placed in host memory may keep the very buffer it is placed from: a block
+    would then be reused under it."""
+    state = {f"w{i}": jnp.full(131072, i, jnp.float32) for i in range(6)}
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+    handed: list[Any] = []
+    allocate = _pinned.Arena.allocate
+    monkeypatch.setattr(
+        _pinned.Arena, "allocate", lambda self, *a: handed.append(a) or allocate(self, *a)
+    )
+    for _ in range(2):
+        target = {k: jax.device_put(jnp.zeros_like(v), sharding) for k, v in state.items()}
+        restored = checkpoints.restore_checkpoint(tmp_path, target, host_window_bytes=2 * MIB)
+        _assert_same(restored, state)
+        assert {x.sharding.memory_kind for x in restored.values()} == {memory_kind}
+    assert handed == []
+
+
 def test_a_block_is_freed_only_after_its_tensor_is_on_its_devices(tmp_path, arena, monkeypatch):
     state = _state()
     checkpoints.save_checkpoint(tmp_path, state, 0)

@@ -128,11 +128,15 @@ def arena_for(device: Any) -> Arena | None:
 
 def target_device(leaf: Any) -> Any | None:
     """A device a target array `leaf` (a `jax.Array` or `jax.ShapeDtypeStruct`) is placed
-    on (the devices of one process share one client), else None (not an array target)."""
+    on (the devices of one process share one client), else None: not an array target, or
+    one placed in host memory (`memory_kind` `pinned_host`, `unpinned_host`), which may
+    keep the very buffer it is placed from rather than copy it."""
     if isinstance(leaf, np.ndarray) or not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
         return None
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None:
+        if getattr(sharding, "memory_kind", None) not in (None, "device"):
+            return None
         return next(iter(sharding.device_set))
     device = jax.default_device.value  # where `device_put` places a leaf without one
     if device is None:
