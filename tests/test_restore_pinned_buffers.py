@@ -11,7 +11,6 @@ GPU (where it would be a leaf copied from bytes already overwritten).
 from __future__ import annotations
 
 import _thread
-import sys
 import threading
 import time
 from typing import Any
@@ -27,6 +26,7 @@ from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.checkpoints.format._arrays import buffer_for
 from eqx_train.checkpoints.pipeline import _pinned, _read, _restore, _transfer, _window
 from eqx_train.checkpoints.storage._local_files import LocalSource
+from tests.support.helpers import main_thread_is_in
 
 # Every interrupt below is delivered as SIGINT, which must raise however the suite started.
 pytestmark = pytest.mark.usefixtures("interruptible")
@@ -187,15 +187,6 @@ def test_an_interrupted_restore_leaves_no_block_in_use_and_restores_again(
     _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state)), state)
 
 
-def _main_thread_is_in(function_name: str) -> bool:
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    while frame is not None:
-        if frame.f_code.co_name == function_name:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_a_second_interrupt_while_a_restore_stops_frees_no_block_a_reader_still_fills(
     tmp_path, arena, monkeypatch
 ):
@@ -216,7 +207,7 @@ def test_a_second_interrupt_while_a_restore_stops_frees_no_block_a_reader_still_
 
     def second_interrupt():
         deadline = time.monotonic() + 30
-        while not _main_thread_is_in("shutdown") and time.monotonic() < deadline:
+        while not main_thread_is_in("shutdown") and time.monotonic() < deadline:
             time.sleep(0.001)  # until the restore waits for its readers
         _thread.interrupt_main()  # Ctrl-C again
         time.sleep(0.2)

@@ -10,11 +10,10 @@ lands while they start must not leave them behind, and tied leaves must not shar
 import _thread
 import json
 import os
-import sys
 import threading
 import time
 import types
-from typing import Any, cast
+from typing import Any
 
 import equinox as eqx
 import fsspec
@@ -29,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eqx_train.checkpoints import restore_checkpoint, save_checkpoint
 from eqx_train.checkpoints.format import _description, _format
 from eqx_train.checkpoints.pipeline import _restore, _transfer, _window
-from tests.support.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal, main_thread_is_in
 
 # Every interrupt below is delivered as SIGINT, which must raise however the suite started.
 pytestmark = pytest.mark.usefixtures("interruptible")
@@ -168,15 +167,6 @@ def test_an_interrupt_from_a_placing_thread_leaves_nothing_behind(tmp_path, monk
     assert not _restore_threads()
 
 
-def _main_thread_is_in(function_name):
-    frame = sys._current_frames().get(cast(int, threading.main_thread().ident))  # started
-    while frame is not None:
-        if frame.f_code.co_name == function_name:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_a_second_interrupt_while_a_failed_restore_cleans_up_still_frees_its_window(
     tmp_path, monkeypatch
 ):
@@ -191,7 +181,7 @@ def test_a_second_interrupt_while_a_failed_restore_cleans_up_still_frees_its_win
         if array[0] == 1:
             second_placing.set()
             deadline = time.monotonic() + 30
-            while not _main_thread_is_in("shutdown") and time.monotonic() < deadline:
+            while not main_thread_is_in("shutdown") and time.monotonic() < deadline:
                 time.sleep(0.001)  # until the caller waits for this thread to finish
             _thread.interrupt_main()
         return real(kind, target, array)

@@ -4,6 +4,8 @@ worker scripts are."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from typing import Any
 
 import equinox as eqx
@@ -194,3 +196,14 @@ def hold_the_writer(monkeypatch: Any) -> tuple[Any, Any]:
 
     monkeypatch.setattr(_format, "write_all", write_all)
     return go, writing
+
+
+def main_thread_is_in(function_name: str) -> bool:
+    """Whether the main thread is, right now, inside a call of a function of that name (for
+    tests that deliver an interrupt at a known point of a wait)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function_name:
+            return True
+        frame = frame.f_back
+    return False
