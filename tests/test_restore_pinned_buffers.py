@@ -331,6 +331,8 @@ def test_an_arena_released_while_unused_is_unmapped_and_made_again(monkeypatch):
     first.free(block)
     _pinned.release()
     assert unmapped == [first.address]
+    # A restore that got the arena before the release gets no block of unmapped memory.
+    assert first.allocate((10,), np.dtype(np.uint8)) is None
     assert _pinned.arena_for(Device()) is not first
 
 

@@ -50,15 +50,19 @@ class Arena:
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (start, size), by start
         self._used: dict[int, int] = {}  # start -> size
+        self._closed = False  # released: hands out nothing more
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         """A C-contiguous array of `shape` and `dtype` in the arena, or None when no free
-        block is large enough (or the array is empty: nothing to transfer)."""
+        block is large enough (or the array is empty: nothing to transfer; or the arena was
+        released meanwhile)."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes == 0:
             return None
         size = -(-nbytes // _BLOCK_ALIGN) * _BLOCK_ALIGN
         with self._lock:
+            if self._closed:
+                return None
             for i, (start, free) in enumerate(self._free):
                 if free >= size:
                     if free == size:
@@ -94,6 +98,14 @@ class Arena:
         """Bytes handed out and not yet freed."""
         with self._lock:
             return sum(self._used.values())
+
+    def close_if_unused(self) -> bool:
+        """Closes the arena (no block is handed out after) if no block is in use, at once
+        with that check: a restore that got the arena just before cannot take a block of
+        memory about to be unmapped. Whether it closed."""
+        with self._lock:
+            self._closed = self._closed or not self._used
+            return self._closed
 
 
 _lock = threading.Lock()
@@ -148,7 +160,7 @@ def release() -> None:
     """Unmaps and frees every arena with no block in use (a later restore makes it again)."""
     with _lock:
         for key, (client, arena) in list(_arenas.items()):
-            if arena is not None and arena.in_use() == 0:
+            if arena is not None and arena.close_if_unused():
                 try:
                     client.dma_unmap(arena.address)
                 except Exception:  # the mapping went with the client
