@@ -127,7 +127,11 @@ def test_a_reader_waiting_for_window_bytes_stops_when_the_window_is_cancelled():
 
 def _interrupt_once_blocked_in(function_name):
     """A thread that sends SIGINT to the main thread once the main thread is seen blocked
-    inside `function_name` (so the interrupt provably lands in that wait)."""
+    inside `function_name` (so the interrupt provably lands in that wait).
+
+    A signal that arrives just before the main thread enters the lock wait is only seen
+    once the wait ends (CPython's lock waits do not watch for it), so while the main thread
+    stays blocked there a second later, SIGINT is sent again."""
     main = threading.main_thread().ident
     assert main is not None
 
@@ -144,6 +148,11 @@ def _interrupt_once_blocked_in(function_name):
         while not blocked_there() and time.monotonic() < deadline:
             time.sleep(0.005)
         signal.pthread_kill(main, signal.SIGINT)
+        for _ in range(30):
+            time.sleep(1.0)
+            if not blocked_there():
+                return
+            signal.pthread_kill(main, signal.SIGINT)  # the first was lost
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()

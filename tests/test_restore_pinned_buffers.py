@@ -11,6 +11,7 @@ GPU (where it would be a leaf copied from bytes already overwritten).
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 from typing import Any
@@ -209,7 +210,7 @@ def test_a_second_interrupt_while_a_restore_stops_frees_no_block_a_reader_still_
         deadline = time.monotonic() + 30
         while not main_thread_is_in("shutdown") and time.monotonic() < deadline:
             time.sleep(0.001)  # until the restore waits for its readers
-        _thread.interrupt_main()  # Ctrl-C again
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # Ctrl-C again
         time.sleep(0.2)
         release.set()
 
