@@ -9,7 +9,6 @@ the wait.
 
 import _thread
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 from eqx_train import checkpoints
 from eqx_train.checkpoints.format import _format
 from eqx_train.checkpoints.pipeline import _transfer, _window
+from tests.support.helpers import main_thread_is_in
 
 # Every interrupt below is delivered as SIGINT, which must raise however the suite started.
 pytestmark = pytest.mark.usefixtures("interruptible")
@@ -135,22 +135,14 @@ def _interrupt_once_blocked_in(function_name):
     main = threading.main_thread().ident
     assert main is not None
 
-    def blocked_there():
-        frame = sys._current_frames().get(main)
-        while frame is not None:
-            if frame.f_code.co_name == function_name:
-                return True
-            frame = frame.f_back
-        return False
-
     def send():
         deadline = time.monotonic() + 30
-        while not blocked_there() and time.monotonic() < deadline:
+        while not main_thread_is_in(function_name) and time.monotonic() < deadline:
             time.sleep(0.005)
         signal.pthread_kill(main, signal.SIGINT)
         for _ in range(30):
             time.sleep(1.0)
-            if not blocked_there():
+            if not main_thread_is_in(function_name):
                 return
             signal.pthread_kill(main, signal.SIGINT)  # the first was lost
 

@@ -25,7 +25,6 @@ class Restoring:
     directory: str
     _options: Any  # the manager's checked `ManagerOptions`
     _ranking: Any  # a `_retention.Ranking`
-    _schedule: Any  # a `_preemption.SaveSchedule`
     _attempts: int
     _restored: _directory.Entry | None
     _last_restore: Any  # a `_tiers.LastRestore`, or None
