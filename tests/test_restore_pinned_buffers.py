@@ -208,7 +208,7 @@ def test_a_second_interrupt_while_a_restore_stops_frees_no_block_a_reader_still_
 
     def second_interrupt():
         deadline = time.monotonic() + 30
-        while not main_thread_is_in("shutdown") and time.monotonic() < deadline:
+        while not main_thread_is_in("wait_through_interrupts") and time.monotonic() < deadline:
             time.sleep(0.001)  # until the restore waits for its readers
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # Ctrl-C again
         time.sleep(0.2)

@@ -181,7 +181,7 @@ def test_a_second_interrupt_while_a_failed_restore_cleans_up_still_frees_its_win
         if array[0] == 1:
             second_placing.set()
             deadline = time.monotonic() + 30
-            while not main_thread_is_in("shutdown") and time.monotonic() < deadline:
+            while not main_thread_is_in("wait_through_interrupts") and time.monotonic() < deadline:
                 time.sleep(0.001)  # until the caller waits for this thread to finish
             _thread.interrupt_main()
         return real(kind, target, array)

@@ -20,7 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from threading import Lock
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -265,6 +266,8 @@ def windowed_reads(
         size += nbytes(name)
     done = queue.SimpleQueue()  # (group, pending read, bytes), then None; or an exception
     reads = ThreadPoolExecutor(_GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
+    submitted: list[Future[Any]] = []
+    submitting = Lock()  # (imported by name: tests swap the module `threading` here)
     settings = callers_jax_settings()
 
     def read_and_place(group: list[str]) -> dict[str, Any]:
@@ -280,7 +283,9 @@ def windowed_reads(
             for group in groups:
                 held = sum(nbytes(n) for n in group)
                 window.acquire(held)  # raises Cancelled once the caller is gone
-                done.put((group, reads.submit(read_and_place, group), held))
+                with submitting:  # recorded with its submit: the end waits for each
+                    submitted.append(reads.submit(read_and_place, group))
+                done.put((group, submitted[-1], held))
             done.put(None)
         except Cancelled:
             return
@@ -321,6 +326,15 @@ def windowed_reads(
             try:
                 # Not cut short by a second interrupt: the pool's threads may still write
                 # into buffers the caller frees (or reuses: pinned blocks) once this ends.
-                wait_through_interrupts(lambda: reads.shutdown(wait=True, cancel_futures=True))
+                # Waited for by their futures, not by joining the threads: before Python
+                # 3.13 an interrupted `Thread.join` can mark a running thread as ended.
+                def finish() -> None:
+                    reads.shutdown(wait=False, cancel_futures=True)  # no read starts now
+                    with submitting:
+                        running = list(submitted)
+                    wait(running)
+
+                wait_through_interrupts(finish)
+                reads.shutdown(wait=True)
             finally:
                 window.release_all()
