@@ -34,10 +34,10 @@ def _state(version=1, leaves=4):
 
 def test_a_slow_disk_does_not_hold_up_the_hashing(tmp_path, monkeypatch):
     hashed, saw = threading.Event(), []
-    real_checksum, real_write = _format.checksum, _format.write_all
+    real_checksum, real_write = _format.tensor_checksum, _format.write_all
 
-    def checksum(code, shape, view, each=None):
-        digest = real_checksum(code, shape, view, each)
+    def checksum(tensor, view):
+        digest = real_checksum(tensor, view)
         hashed.set()
         return digest
 
@@ -46,7 +46,7 @@ def test_a_slow_disk_does_not_hold_up_the_hashing(tmp_path, monkeypatch):
             saw.append(hashed.wait(30))  # the disk is stuck until the leaf is hashed
         real_write(fd, data)
 
-    monkeypatch.setattr(_format, "checksum", checksum)
+    monkeypatch.setattr(_format, "tensor_checksum", checksum)
     monkeypatch.setattr(_format, "write_all", write_all)
     state = _state(leaves=1)
     checkpoints.save_checkpoint(tmp_path, state, 1)
@@ -56,11 +56,11 @@ def test_a_slow_disk_does_not_hold_up_the_hashing(tmp_path, monkeypatch):
 
 def test_a_slow_hash_does_not_hold_up_the_disk(tmp_path, monkeypatch):
     written, saw, total = threading.Event(), [], [0]
-    real_checksum, real_write = _format.checksum, _format.write_all
+    real_checksum, real_write = _format.tensor_checksum, _format.write_all
 
-    def checksum(code, shape, view, each=None):
+    def checksum(tensor, view):
         saw.append(written.wait(30))  # the hash is stuck until the leaf is on disk
-        return real_checksum(code, shape, view, each)
+        return real_checksum(tensor, view)
 
     def write_all(fd, data):
         real_write(fd, data)
@@ -68,7 +68,7 @@ def test_a_slow_hash_does_not_hold_up_the_disk(tmp_path, monkeypatch):
         if total[0] >= LEAF:  # the header and then the whole leaf
             written.set()
 
-    monkeypatch.setattr(_format, "checksum", checksum)
+    monkeypatch.setattr(_format, "tensor_checksum", checksum)
     monkeypatch.setattr(_format, "write_all", write_all)
     state = _state(leaves=1)
     checkpoints.save_checkpoint(tmp_path, state, 1)

@@ -14,10 +14,10 @@ from eqx_train.checkpoints import (
 
 
 def _bump_format_version(path):
-    """The file as a newer eqx_train (format version 3) would write it: same length."""
+    """The file as a newer eqx_train (format version 9) would write it: same length."""
     raw = bytearray(pathlib.Path(path).read_bytes())
     at = raw.index(b'"eqx_train.format_version":"1"')
-    raw[at : at + 30] = b'"eqx_train.format_version":"3"'
+    raw[at : at + 30] = b'"eqx_train.format_version":"9"'
     pathlib.Path(path).write_bytes(raw)
 
 
@@ -44,7 +44,7 @@ def test_retention_never_deletes_a_newer_eqx_trains_best_checkpoint(tmp_path):
 
 
 def test_a_version_digit_flipped_by_one_bit_is_refused_naming_the_file_and_kept(tmp_path):
-    # '1' (0x31) with one bit flipped reads '3': it looks newer, so nothing may move it; the
+    # '1' (0x31) with one bit flipped reads '9': it looks newer, so nothing may move it; the
     # error names the file and says what to do if no newer eqx_train wrote it.
     manager = CheckpointManager(tmp_path, keep_latest=5)
     manager.save(1, {"a": np.arange(3.0)})
@@ -52,7 +52,7 @@ def test_a_version_digit_flipped_by_one_bit_is_refused_naming_the_file_and_kept(
     manager.wait()
     raw = bytearray(pathlib.Path(newest).read_bytes())
     at = raw.index(b'"eqx_train.format_version":"1"') + len(b'"eqx_train.format_version":"')
-    raw[at] ^= 0x02
+    raw[at] ^= 0x08
     pathlib.Path(newest).write_bytes(raw)
     with pytest.raises(NewerFormatError, match=r"checkpoint_2\.safetensors .*move it away by hand"):
         manager.restore({"a": np.zeros(3)})

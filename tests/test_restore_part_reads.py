@@ -3,7 +3,9 @@ shares; where cores are left over, a large tensor in parts read at once, its che
 computed in order as the parts arrive (`format._part_reads`).
 
 Here parts are made small (and tensors of over two parts split), so that every tensor below
-is read in several parts.
+is read in several parts; each test runs on a file whose tensors are checksummed in parts of
+that size (format version 3), each part verified by its reader, and on one with a single
+digest per tensor (as before version 3), verified in order by the restoring thread.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError
-from eqx_train.checkpoints.format import _part_reads
+from eqx_train.checkpoints.format import _checksums, _part_reads
 from eqx_train.checkpoints.format._reader import FileReader
 from eqx_train.checkpoints.pipeline import _window
 from eqx_train.checkpoints.storage._local_files import LocalSource
@@ -30,12 +32,15 @@ from eqx_train.checkpoints.storage._local_files import LocalSource
 PART = 64 * 1024
 
 
-@pytest.fixture
-def parts(monkeypatch) -> list[tuple[str, int, int]]:
+@pytest.fixture(params=["digest per part", "digest per tensor"])
+def parts(request, monkeypatch) -> list[tuple[str, int, int]]:
     """Splits every tensor over two parts into parts of 64 KiB, as for a file in memory;
+    files are written with a digest per part of 64 KiB, or one per tensor (the param);
     returns each read made: (thread name, file offset, bytes)."""
     monkeypatch.setattr(_part_reads, "SPLIT_BYTES", 2 * PART)
     monkeypatch.setattr(_part_reads, "PART_BYTES", PART)
+    per_part = request.param == "digest per part"
+    monkeypatch.setattr(_checksums, "PART_BYTES", PART if per_part else 1 << 62)
     monkeypatch.setattr(LocalSource, "cached", lambda self, offset, length: True)
     reads: list[tuple[str, int, int]] = []
     read_into = LocalSource.read_into

@@ -24,7 +24,16 @@ from ... import _progress
 from ..._calls import call
 from ..storage._local_files import start_writeback
 from . import _header_codes
-from ._checksums import checksum, chunks, hasher, text_digest
+from ._checksums import (
+    Checksum,
+    Digest,
+    Parts,
+    checksum,
+    chunks,
+    placeholder,
+    text_digest,
+    written_part_size,
+)
 from ._header_codes import (
     ALIGN_FOR_DEVICE,
     MAX_HEADER_BYTES as MAX_HEADER_BYTES,
@@ -38,6 +47,7 @@ from ._names import (
     FORMAT_NAME,
     FORMAT_VERSION_KEY,
     METADATA_KEY,
+    PARTS_FORMAT_VERSION,
     PLAIN_FORMAT_VERSION,
     STEP_KEY,
     TREE_KEY,
@@ -52,7 +62,6 @@ _PAGE_ALIGNED_FROM = 1 << 20
 _WRITE_CHUNK = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below.
 _STREAM_CHUNK = 16 << 20  # bytes per write to an upload stream
 _WRITE_BLOCK = 16 << 20  # bytes per write to a file: a crash test can stop between them
-_NO_DIGEST = "0" * 16
 
 
 def base_metadata(step_text: str, description: Any) -> dict[str, str]:
@@ -66,15 +75,20 @@ def base_metadata(step_text: str, description: Any) -> dict[str, str]:
 
 
 def _encode_header(
-    tensors: Sequence[Tensor], metadata: dict[str, str], digests: Mapping[str, str]
+    tensors: Sequence[Tensor], metadata: dict[str, str], digests: Mapping[str, Checksum]
 ) -> bytes:
     """The header: `tensors` listed in tree order, their bytes laid out in `file_order`."""
     metadata = _header_codes.with_complex128(metadata, tensors)  # sealed below like the rest
-    checksums = {
+    sizes = {d.size for d in digests.values() if isinstance(d, Parts)}
+    if sizes:
+        metadata = _header_codes.at_least(metadata, PARTS_FORMAT_VERSION)
+    checksums: dict[str, Any] = {
         "algorithm": CHECKSUM_ALGORITHM,
         "metadata": {key: text_digest(value) for key, value in metadata.items()},
-        "tensors": {t.name: digests[t.name] for t in tensors},
+        "tensors": {t.name: _json_checksum(digests[t.name]) for t in tensors},
     }
+    if sizes:
+        (checksums["part_bytes"],) = sizes  # one part size per file
     entries: dict[str, Any] = {
         METADATA_KEY: {**metadata, CHECKSUMS_KEY: json.dumps(checksums, separators=(",", ":"))}
     }
@@ -112,9 +126,20 @@ def file_order(tensors: Sequence[Tensor]) -> list[Tensor]:
     return sorted(tensors, key=rank)  # stable
 
 
-def _no_digests(tensors: Sequence[Tensor]) -> dict[str, str]:
+def _json_checksum(digest: Checksum) -> str | list[str]:
+    return digest if isinstance(digest, str) else list(digest.digests)
+
+
+def _no_digests(tensors: Sequence[Tensor]) -> dict[str, Checksum]:
     """Placeholders as wide as the real digests: the header keeps its length."""
-    return dict.fromkeys((t.name for t in tensors), _NO_DIGEST)
+    return {t.name: placeholder(t.nbytes) for t in tensors}
+
+
+def tensor_checksum(tensor: Tensor, view: memoryview) -> Checksum:
+    """The checksum written for `tensor`, whose bytes are `view`."""
+    return checksum(
+        DTYPE_TO_CODE[tensor.dtype], tensor.shape, view, part_size=written_part_size(tensor.nbytes)
+    )
 
 
 def check_header_size(tensors: Sequence[Tensor], metadata: dict[str, str]) -> None:
@@ -187,18 +212,17 @@ def write_file(out: Any, tensors: Sequence[Tensor], metadata: dict[str, str]) ->
     ordered, digests = file_order(tensors), {}
     with closing(source(ordered, False)) as leaves:
         for t, array in leaves:
-            digests[t.name] = checksum(DTYPE_TO_CODE[t.dtype], t.shape, as_bytes(array))
+            digests[t.name] = tensor_checksum(t, as_bytes(array))
     out.write(_encode_header(tensors, metadata, digests))
     # Not the final pass either: an upload may be tried again (a store that refuses
     # conditional writes), so the snapshot is let go by the save once it is over.
     with closing(source(ordered, False)) as leaves:
         for t, array in leaves:
-            check = hasher(DTYPE_TO_CODE[t.dtype], t.shape)
+            check = Digest(DTYPE_TO_CODE[t.dtype], t.shape, written_part_size(t.nbytes))
             for block in chunks(as_bytes(array), _STREAM_CHUNK):
-                for chunk in chunks(block):
-                    check.update(chunk)
+                check.update(block)
                 out.write(block)
-            if check.hexdigest() != digests[t.name]:
+            if check.result() != digests[t.name]:
                 raise RuntimeError(f"{call()}: leaf '{t.name}' changed while it was being saved.")
             _progress.advance(t.nbytes)
 
@@ -221,7 +245,7 @@ def _write_to_fd(
     ):
         for t, array in leaves:
             view = as_bytes(array)
-            digest = hashing.submit(_timed_checksum, DTYPE_TO_CODE[t.dtype], t.shape, view)
+            digest = hashing.submit(_timed_checksum, t, view)
             try:
                 with stage("write"):
                     for block in chunks(view, _WRITE_BLOCK):
@@ -245,6 +269,6 @@ def _write_to_fd(
             os.fsync(fd)
 
 
-def _timed_checksum(code: str, shape: Sequence[int], view: memoryview) -> str:
+def _timed_checksum(tensor: Tensor, view: memoryview) -> Checksum:
     with stage("hash"):
-        return checksum(code, shape, view)
+        return tensor_checksum(tensor, view)

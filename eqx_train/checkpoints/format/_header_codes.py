@@ -4,8 +4,8 @@ code, complex128 included, which safetensors has no code for.
 
 complex128 is stored as `F64` with a trailing axis of 2 (real, imaginary: the same bytes),
 listed by name under `eqx_train.complex128`. A file or `.shards` index holding any complex
-tensor is written as format version 2, so that readers of version 1 refuse it as newer
-instead of returning float64 pairs or moving it aside as corrupt.
+tensor is written as format version 2 (or 3, `_keys`), so that readers of version 1 refuse
+it as newer instead of returning float64 pairs or moving it aside as corrupt.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ._json import parse_json
 from ._keys import (
     ALIGN_FOR_DEVICE as ALIGN_FOR_DEVICE,
     COMPLEX128_KEY,
+    COMPLEX_FORMAT_VERSION,
     FORMAT_VERSION,
     FORMAT_VERSION_KEY,
     PLAIN_FORMAT_VERSION,
@@ -68,12 +69,18 @@ def header_dtype(tensor: Tensor) -> tuple[str, list[int]]:
 
 def with_complex(metadata: dict[str, str], dtypes: Iterable[np.dtype]) -> dict[str, str]:
     """`metadata` for a file or `.shards` index of tensors of `dtypes`: unchanged, or, when
-    one is complex, as format version 2, which readers of version 1 (every release before
-    complex numbers) refuse as newer: neither taken as float64 pairs nor, by a checkpoint
-    manager, moved aside as corrupt for an unknown dtype code."""
+    one is complex, as format version 2 (at least), which readers of version 1 (every
+    release before complex numbers) refuse as newer: neither taken as float64 pairs nor,
+    by a checkpoint manager, moved aside as corrupt for an unknown dtype code."""
     if not any(np.dtype(d).kind == "c" for d in dtypes):
         return metadata
-    return {**metadata, FORMAT_VERSION_KEY: str(FORMAT_VERSION)}
+    return at_least(metadata, COMPLEX_FORMAT_VERSION)
+
+
+def at_least(metadata: dict[str, str], version: int) -> dict[str, str]:
+    """`metadata` written as format `version`, or as its own version where that is higher."""
+    current = int(metadata.get(FORMAT_VERSION_KEY, str(PLAIN_FORMAT_VERSION)))
+    return {**metadata, FORMAT_VERSION_KEY: str(max(current, version))}
 
 
 def with_complex128(metadata: dict[str, str], tensors: Sequence[Tensor]) -> dict[str, str]:

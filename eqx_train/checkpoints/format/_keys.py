@@ -17,13 +17,16 @@ RESERVED_TENSOR_NAMES = frozenset({METADATA_KEY})
 FORMAT_KEY = "eqx_train.format"
 FORMAT_VERSION_KEY = "eqx_train.format_version"
 FORMAT_NAME = "eqx_train.checkpoint"  # FORMAT_KEY of a checkpoint file or `.shards` index
-# The newest format version this eqx_train reads. Version 2 is version 1 plus complex
-# tensors (C64, and complex128 as F64 pairs listed under `COMPLEX128_KEY`): only files and
-# indexes that hold one are written as 2, so that an eqx_train reading version 1 only refuses
-# them as newer (instead of returning float64 pairs, or moving them aside as corrupt); every
-# other file is written as version 1, which every release reads.
-FORMAT_VERSION = 2
+# The format versions. Each file or `.shards` index is written as the lowest version that
+# holds what it needs, so that an older eqx_train refuses as newer only what it would
+# misread (instead of returning wrong values, or moving the file aside as corrupt):
+# version 1 is every file of plain tensors; version 2 adds complex tensors (C64, and
+# complex128 as F64 pairs listed under `COMPLEX128_KEY`); version 3 adds tensors checksummed
+# in parts (a list of digests and the table's `part_bytes`, see `_checksums`).
 PLAIN_FORMAT_VERSION = 1
+COMPLEX_FORMAT_VERSION = 2
+PARTS_FORMAT_VERSION = 3
+FORMAT_VERSION = 3  # the newest this eqx_train reads
 STEP_KEY = "eqx_train.step"
 TREE_KEY = "eqx_train.tree"
 CHECKSUMS_KEY = "eqx_train.checksums"

@@ -5,12 +5,14 @@ memory moves several times that, but only with several copies in flight. So the 
 restore reads together go to a pool of `READERS` threads that every read of the process
 shares (the concurrent groups of a restore then keep about `READERS` reads in flight
 between them): a tensor of at most `SPLIT_BYTES` whole, hashed chunk by chunk right after
-each chunk is read, while it is still in cache; a larger one in parts of `PART_BYTES` read
-at once, whose checksum the calling thread computes part by part, in order, as they arrive
-(xxh3 runs at several GiB/s per core, faster than a thread reads), overlapping the reads of
-the parts after it and of the other groups. Only a tensor in memory is cut, though: one
-still on the disk (the source says, `LocalSource.cached`) is read whole, front to back, the
-order a disk's readahead serves fastest.
+each chunk is read, while it is still in cache; a larger one in parts read at once. A
+tensor checksummed in parts (format version 3, `_checksums`) is cut along its parts, each
+verified by the thread that reads it, chunk by chunk as it reads, so that one tensor
+verifies on every reader at once. An older file's one digest per tensor is a single
+stream: the calling thread computes it over parts of `PART_BYTES`, in order, as they
+arrive (at one core's speed, which bounds such a tensor's restore). Only a tensor in memory
+is cut, though: one still on the disk (the source says, `LocalSource.cached`) is read
+whole, front to back, the order a disk's readahead serves fastest.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checksums import verify_parts
+from ._checksums import Parts, verify_part, verify_parts
 from ._timing import add_stage, timing
 
 PART_BYTES = 8 << 20
@@ -73,8 +75,9 @@ def read_tensors(
     """Fills each job's buffer (tensor info, its buffer, the buffer's bytes) on the shared
     readers: a tensor of at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)`
     (which hashes each chunk right after reading it); a larger one part by part, with
-    `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) on this
-    thread as its parts arrive, raising `bad(...)` if it fails; but whole too where
+    `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) by
+    the reader of each part where it has a digest per part, else on this thread as its
+    parts arrive, raising `bad(...)` if it fails; but whole too where
     `cached(file offset, bytes)` says its bytes are not in memory (a disk serves one
     stream front to back faster than scattered parts). Returns, or raises, only once no
     reader writes into any of the buffers."""
@@ -86,6 +89,22 @@ def read_tensors(
         if timed:
             add_stage("read", time.perf_counter() - start)
 
+    def read_verified(info: Any, index: int, part: memoryview, offset: int) -> None:
+        # Each chunk hashed right after it is read, while it is still in cache.
+        reading, start = 0.0, time.perf_counter()
+
+        def read_chunk(chunk: memoryview) -> None:
+            nonlocal offset, reading
+            began = time.perf_counter()
+            read_into(chunk, offset)
+            reading += time.perf_counter() - began
+            offset += len(chunk)
+
+        verify_part(info, index, part, bad, read_chunk)
+        if timed:
+            add_stage("read", reading)
+            add_stage("verify", time.perf_counter() - start - reading)
+
     pool = _readers()
     futures: list[list[Future[Any]]] = []
     cut: list[list[tuple[memoryview, int]] | None] = []
@@ -95,13 +114,18 @@ def read_tensors(
             # interrupt between two, must not leave a read the `finally` does not wait for.
             pending: list[Future[Any]] = []
             futures.append(pending)
-            if info.nbytes > max(SPLIT_BYTES, PART_BYTES) and (
+            checked = verify and isinstance(info.checksum, Parts)
+            size = info.checksum.size if checked else PART_BYTES
+            if info.nbytes > max(SPLIT_BYTES, size) and (
                 cached is None or cached(info.start, info.nbytes)
             ):
-                parts = split(view, info.start)
+                parts = split(view, info.start, size)
                 cut.append(parts)
-                for part, offset in parts:
-                    pending.append(pool.submit(read, part, offset))
+                for index, (part, offset) in enumerate(parts):
+                    if checked:
+                        pending.append(pool.submit(read_verified, info, index, part, offset))
+                    else:
+                        pending.append(pool.submit(read, part, offset))
             else:
                 cut.append(None)
                 pending.append(pool.submit(fill, info, out, verify))
@@ -110,7 +134,7 @@ def read_tensors(
                 pending[0].result()
                 continue
             arrived = _Arrivals(parts, pending)
-            if verify and info.checksum:
+            if verify and isinstance(info.checksum, str):
                 start = time.perf_counter()
                 verify_parts(info, arrived, bad)
                 if timed:

@@ -13,12 +13,14 @@ The header maps each tensor name (the leaf's key path joined by '.') to its dtyp
 byte range, and holds `__metadata__` (string -> string) with our keys (named in `_names`):
 
 - `eqx_train.format` / `eqx_train.format_version`: "eqx_train.checkpoint" / "1" ("2" when the
-  file holds a complex tensor, so that readers of version 1 refuse it as newer)
+  file holds a complex tensor, "3" when it holds a tensor checksummed in parts, so that
+  older readers refuse it as newer)
 - `eqx_train.step`: the step, as JSON
 - `eqx_train.tree`: the tree description (JSON, see `_description`), enough to rebuild the
   pytree without a target
-- `eqx_train.checksums`: xxh3-64 of every tensor (seeded with its dtype and shape) and of the
-  tree description; absent in files written before checksums existed.
+- `eqx_train.checksums`: xxh3-64 of every tensor (seeded with its dtype and shape; of each
+  8 MiB part of a larger one, in version 3) and of the tree description; absent in files
+  written before checksums existed.
 - `eqx_train.complex128`: the tensors stored as F64 with a trailing axis of 2 that are
   complex128 (safetensors has no code for it; the bytes are the same); absent when none are.
 
@@ -50,7 +52,7 @@ from ._arrays import (
     normalize_index as normalize_index,
     too_big as too_big,
 )
-from ._checksums import text_digest, verify_bytes
+from ._checksums import DIGEST_WIDTH, Checksum, Parts, part_count, text_digest, verify_bytes
 from ._description import DTYPE_TO_CODE, ReaderBase as ReaderBase, parse_json
 from ._header_codes import MAX_HEADER_BYTES, as_bytes
 from ._names import (
@@ -67,6 +69,7 @@ from ._timing import add_stage, stage, timing
 _MIN_BYTES_PER_CONTAINER = 8
 _PARALLEL_MIN_BYTES = 16 << 20
 _FIRST_READ = 16 << 10  # the first request reads the length field and most headers
+_MIN_PART_BYTES = 4096
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,7 +83,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute file offset
     nbytes: int
-    checksum: str | None = None
+    checksum: Checksum | None = None
 
     @property
     def code(self) -> str:
@@ -89,6 +92,16 @@ class TensorInfo:
 
 def _is_count(x: Any) -> bool:
     return type(x) is int and x >= 0
+
+
+def _is_digest(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == DIGEST_WIDTH
+
+
+def _is_digests(x: Any) -> bool:
+    """A checksum table's entry for a tensor: its digest, or a non-empty list of its
+    parts' digests."""
+    return _is_digest(x) or isinstance(x, list) and bool(x) and all(map(_is_digest, x))
 
 
 class FileReader(ReaderBase):
@@ -203,7 +216,7 @@ class FileReader(ReaderBase):
                 )
             if name in wide:  # F64 pairs: the same bytes, read as complex128
                 dtype, shape = _header_codes.COMPLEX128, shape[:-1]
-            checksum = None if checksums is None else checksums[name]
+            checksum = None if checksums is None else self._checksum(checksums, name, nbytes)
             tensors[name] = TensorInfo(
                 name, dtype, tuple(shape), data_start + begin, nbytes, checksum
             )
@@ -216,7 +229,7 @@ class FileReader(ReaderBase):
         self.metadata: dict[str, str] = metadata
         self._description: Any = None
 
-    def _checksums(self, metadata: dict[str, str], names: set[str]) -> dict[str, str] | None:
+    def _checksums(self, metadata: dict[str, str], names: set[str]) -> dict[str, Any] | None:
         raw = metadata.get(CHECKSUMS_KEY)
         if raw is None:
             return None  # written before checksums existed: nothing to verify
@@ -226,11 +239,17 @@ class FileReader(ReaderBase):
             and parsed.get("algorithm") == CHECKSUM_ALGORITHM
             and isinstance(parsed.get("metadata"), dict)
             and isinstance(parsed.get("tensors"), dict)
-            and all(isinstance(v, str) and len(v) == 16 for v in parsed["tensors"].values())
+            and all(map(_is_digests, parsed["tensors"].values()))
         )
         if not ok:
             raise self.bad("its checksum table is malformed")
-        table: dict[str, str] = parsed["tensors"]
+        table: dict[str, Any] = parsed["tensors"]
+        size = parsed.get("part_bytes")
+        # Of at least a page, so that a crafted size cannot cut a read into a part per byte.
+        if (size is not None or any(isinstance(v, list) for v in table.values())) and not (
+            type(size) is int and size >= _MIN_PART_BYTES
+        ):
+            raise self.bad(f"its checksum table has an invalid part size {short(size)}")
         if set(table) != names:
             odd = sorted(set(table) ^ names)[:5]
             raise self.bad(f"its checksum table and its tensors disagree on the names {short(odd)}")
@@ -240,7 +259,22 @@ class FileReader(ReaderBase):
             if value is None or sealed.get(key) != text_digest(value):
                 what = "tree description" if key == TREE_KEY else f"metadata {short(key)}"
                 raise self.bad(f"its {what} fails its checksum")
+        self._part_bytes: int = size or 0
         return table
+
+    def _checksum(self, table: dict[str, Any], name: str, nbytes: int) -> Checksum:
+        """Tensor `name`'s checksum, from the validated `table`: a list of digests must
+        have one per part of the table's `part_bytes`."""
+        digests = table[name]
+        if isinstance(digests, str):
+            return digests
+        expected = part_count(nbytes, self._part_bytes)
+        if len(digests) != expected:
+            raise self.bad(
+                f"its checksum table lists {len(digests)} parts for tensor {short(name)}, "
+                f"whose {nbytes} bytes make {expected} of {self._part_bytes}"
+            )
+        return Parts(self._part_bytes, tuple(digests))
 
     # ------------------------------------------------------------------ contents
 
