@@ -24,7 +24,9 @@ import pytest
 
 from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError
+from eqx_train.checkpoints.format import _checksums
 from eqx_train.checkpoints.format._arrays import buffer_for
+from eqx_train.checkpoints.format._reader import FileReader
 from eqx_train.checkpoints.pipeline import _pinned, _read, _restore, _transfer, _window
 from eqx_train.checkpoints.storage._local_files import LocalSource
 from tests.support.helpers import main_thread_is_in
@@ -171,6 +173,91 @@ def test_a_corrupt_tensor_leaves_no_block_in_use(tmp_path, arena):
     with pytest.raises(CheckpointFormatError, match="fails its checksum"):
         checkpoints.restore_checkpoint(tmp_path, _zeros(state), host_window_bytes=2 * MIB)
     assert [a.in_use() for a in _arenas()] == [0]
+
+
+def test_onto_an_accelerator_each_group_is_checked_while_its_transfers_run(
+    tmp_path, arena, monkeypatch
+):
+    # Read without checking, placed, then checked (parts at once on the shared readers),
+    # all before the restore returns: a tensor as large as the window is not held back
+    # from its device by its own checksum.
+    events: list[tuple[str, Any]] = []
+    read_many, verify_read = FileReader.read_many, FileReader.verify_read
+    real_place = _restore.place
+
+    def reading(self, names, *, verify=True, **kwargs):
+        events.append(("read", (tuple(names), verify)))
+        return read_many(self, names, verify=verify, **kwargs)
+
+    def checking(self, arrays):
+        events.append(("check", tuple(arrays)))
+        return verify_read(self, arrays)
+
+    def placing(kind, target, array):
+        events.append(("place", None))
+        return real_place(kind, target, array)
+
+    monkeypatch.setattr(FileReader, "read_many", reading)
+    monkeypatch.setattr(FileReader, "verify_read", checking)
+    monkeypatch.setattr(_restore, "place", placing)
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state)), state)
+    # (The Python scalars of modules are read apart, checked as they are read: none here.)
+    reads = [value for kind, value in events if kind == "read" and value[0]]
+    checked = [names for kind, names in events if kind == "check"]
+    assert reads and not any(verify for _, verify in reads)
+    assert sorted(n for group in checked for n in group) == sorted(n for g, _ in reads for n in g)
+    # A group's check comes after its leaves' placements.
+    assert events.index(("check", checked[0])) > events.index(("place", None))
+
+
+@pytest.mark.parametrize("options", [{"verify": False}, {"threaded_reads": False}])
+def test_unverified_or_unthreaded_restores_check_nothing_later(
+    tmp_path, arena, monkeypatch, options
+):
+    monkeypatch.setattr(FileReader, "verify_read", lambda self, arrays: pytest.fail("checked"))
+    state = _state()
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    _assert_same(checkpoints.restore_checkpoint(tmp_path, _zeros(state), **options), state)
+
+
+def test_a_tensor_corrupt_in_one_part_fails_after_placement_naming_the_part(
+    tmp_path, arena, monkeypatch
+):
+    monkeypatch.setattr(_checksums, "PART_BYTES", 64 * 1024)
+    state = {"w": jnp.arange(MIB // 2, dtype=jnp.float32), "b": jnp.ones(3)}  # 32 parts
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    with FileReader(str(path)) as reader:
+        start = reader.tensors["w"].start
+    with open(path, "r+b") as file:
+        file.seek(start + 5 * 64 * 1024 + 11)
+        file.write(b"\x7f")
+    with pytest.raises(CheckpointFormatError, match="tensor 'w' fails its checksum in its part 5 "):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    assert [a.in_use() for a in _arenas()] == [0]
+
+
+def test_a_check_failing_after_a_failed_placement_is_the_error_raised():
+    # Corrupt bytes can make a placement fail in its own way: the checksum says why.
+    def place(name, array):
+        raise RuntimeError("cannot place garbage")
+
+    def check(arrays):
+        raise CheckpointFormatError("tensor 'a' fails its checksum")
+
+    reads = _transfer.windowed_reads(
+        ["a"],
+        lambda name: 8,
+        lambda group: {name: np.zeros(2) for name in group},
+        _window.HostWindow(64),
+        settle=lambda group: None,
+        place=place,
+        check=check,
+    )
+    with pytest.raises(CheckpointFormatError, match="fails its checksum") as caught:
+        list(reads)
+    assert isinstance(caught.value.__context__, RuntimeError)
 
 
 def test_an_interrupted_restore_leaves_no_block_in_use_and_restores_again(

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checksums import Parts, verify_part, verify_parts
+from ._checksums import Parts, verify_bytes, verify_part, verify_parts
 from ._timing import add_stage, timing
 
 PART_BYTES = 8 << 20
@@ -149,6 +149,40 @@ def read_tensors(
         for future in flat:
             future.cancel()
         wait_through_interrupts(lambda: wait(flat))
+
+
+def verify_tensors(jobs: Sequence[tuple[Any, memoryview]], bad: Callable[[str], Exception]) -> None:
+    """Checks the bytes already read of each job's tensor (its info, its bytes) against
+    its checksum on the shared readers: a tensor checksummed in parts part by part, at
+    once, any other whole. A restore onto an accelerator checks a group this way while
+    the group's transfers to its devices run, rather than before they start. Raises
+    `bad(...)` for the first tensor (in order) that fails; returns, or raises, only once
+    no reader reads any of the bytes."""
+    timed = timing()
+
+    def timed_check(check: Callable[..., None], *args: Any) -> None:
+        start = time.perf_counter() if timed else 0.0
+        check(*args)
+        if timed:
+            add_stage("verify", time.perf_counter() - start)
+
+    pool = _readers()
+    futures: list[Future[Any]] = []
+    try:
+        for info, view in jobs:
+            if not info.checksum:
+                continue
+            if isinstance(info.checksum, Parts) and info.nbytes > info.checksum.size:
+                for index, (part, _) in enumerate(split(view, 0, info.checksum.size)):
+                    futures.append(pool.submit(timed_check, verify_part, info, index, part, bad))
+            else:
+                futures.append(pool.submit(timed_check, verify_bytes, info, view, bad))
+        for future in futures:
+            future.result()
+    finally:
+        for future in futures:
+            future.cancel()
+        wait_through_interrupts(lambda: wait(futures))
 
 
 def wait_through_interrupts(wait_for: Callable[[], Any]) -> None:

@@ -371,3 +371,13 @@ class FileReader(ReaderBase):
             for info, out in zip(infos, outs, strict=True):
                 self._fill(info, out, verify)
         return dict(zip(names, outs, strict=True))
+
+    def verify_read(self, arrays: dict[str, np.ndarray]) -> None:
+        """Checks tensors `read_many(verify=False)` returned (by name) against their
+        checksums, on the shared readers (`_part_reads.verify_tensors`): a restore onto an
+        accelerator checks a group while its transfers run, and raises before it returns."""
+        jobs = [
+            (self.tensors[name], as_bytes(array) if array.nbytes else memoryview(b""))
+            for name, array in arrays.items()
+        ]
+        _part_reads.verify_tensors(jobs, self.bad)

@@ -104,15 +104,24 @@ def read_whole(
         settle([leaves[s.index] for n in group for s in whole[n]])
         pinned.free(group)  # on their devices: the blocks they came from can be reused
 
+    # Onto an accelerator, a group's checksums are checked while its transfers run: a
+    # tensor as large as the window is otherwise read, checked, then sent, while the next
+    # one waits for its room (the checks of the parts run at once on the shared readers).
+    later = bool(options.verify and options.threaded_reads and pinned.offer)
+    later = later and hasattr(reader, "verify_read")
     reads = windowed_reads(
         list(whole),
         nbytes,
         lambda group: reader.read_many(
-            group, verify=options.verify, parallel=options.threaded_reads, **pinned.offer
+            group,
+            verify=options.verify and not later,
+            parallel=options.threaded_reads,
+            **pinned.offer,
         ),
         HostWindow(options.host_window_bytes),
         settle=settle_and_free,
         place=place_all,
+        check=reader.verify_read if later else None,
     )
     _progress.expect(sum(_saved_bytes(available[name]) for name in whole))
     problems = []

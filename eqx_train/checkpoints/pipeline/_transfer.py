@@ -239,6 +239,7 @@ def windowed_reads(
     window: HostWindow,
     settle: Callable[[list[str]], None],
     place: Callable[[str, np.ndarray], Any],
+    check: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> Generator[tuple[str, Any], None, None]:
     """`(name, place(name, host array))` for every name, in order, read in groups of at most
     a quarter of the window (at least one leaf each): background threads read (and verify)
@@ -250,8 +251,10 @@ def windowed_reads(
 
     Once the caller asks for the leaf after a group, `settle(group)` is called (it waits
     until the group's leaves are on their devices: one synchronisation per group, not per
-    leaf), then the group's bytes count as released. Errors of the reads and of `place`
-    are raised here.
+    leaf), then the group's bytes count as released. With `check`, a group's host arrays
+    (as `read_many` returned them) go to `check(arrays)` once their leaves are placed,
+    while the transfers run; it raises for corrupt bytes, whose leaves the restore then
+    drops. Errors of the reads, of `place` and of `check` are raised here.
     Closing the generator early, or an interrupt anywhere in it, cancels `window` (`window`
     belongs to this call alone): the reader threads stop, even while waiting for room, and
     every byte still held is released before the generator finishes.
@@ -272,8 +275,17 @@ def windowed_reads(
 
     def read_and_place(group: list[str]) -> dict[str, Any]:
         arrays = read_many(group)
-        with settings():
-            return {name: place(name, arrays.pop(name)) for name in group}
+        read = dict(arrays) if check is not None else {}
+        try:
+            with settings():
+                placed = {name: place(name, arrays.pop(name)) for name in group}
+        except BaseException:
+            if check is not None:
+                check(read)  # corrupt bytes explain a failed placement: their error wins
+            raise
+        if check is not None:
+            check(read)
+        return placed
 
     # Built here, on the caller's thread: the pool's threads name the caller's public call.
     read_and_place = in_context(read_and_place)
