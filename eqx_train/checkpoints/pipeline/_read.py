@@ -34,6 +34,9 @@ from ._options import RestoreOptions
 from ._transfer import reads_in_place, windowed_reads
 from ._window import HostWindow
 
+# Whether a restore onto an accelerator checks a group's checksums while its transfers run
+# (`read_whole`), rather than as it reads it; benchmarks/restore_variants.py compares both.
+CHECK_WHILE_PLACING = True
 # (kind, target leaf, host bytes) -> the placed leaf; and: wait until leaves are placed.
 Place = Callable[[LeafKind, Any, np.ndarray], Any]
 Settle = Callable[[Sequence[Any]], None]
@@ -108,7 +111,7 @@ def read_whole(
     # tensor as large as the window is otherwise read, checked, then sent, while the next
     # one waits for its room (the checks of the parts run at once on the shared readers).
     later = bool(options.verify and options.threaded_reads and pinned.offer)
-    later = later and hasattr(reader, "verify_read")
+    later = later and CHECK_WHILE_PLACING and hasattr(reader, "verify_read")
     reads = windowed_reads(
         list(whole),
         nbytes,
