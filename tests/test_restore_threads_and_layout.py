@@ -111,6 +111,66 @@ def test_an_error_other_than_valueerror_while_placing_keeps_its_type_and_frees_t
     assert not _restore_threads()
 
 
+def test_a_failed_restore_ends_while_a_later_group_still_waits_for_a_thread(monkeypatch):
+    # One placing thread: group b runs on it while group c waits in its queue, and the
+    # restore fails (settling group a). The end shuts the pool down, which cancels c: c
+    # never runs, so the end must wait for b only (a future cancelled in a pool's queue
+    # never counts as done to `concurrent.futures.wait`: the end would wait forever).
+    futures: list[Any] = []
+    all_submitted = threading.Event()
+
+    class OneThread(_transfer.ThreadPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(1, thread_name_prefix="eqx_train-restore-read")
+
+        def submit(self, *args, **kwargs):
+            futures.append(super().submit(*args, **kwargs))
+            if len(futures) == 3:
+                all_submitted.set()
+            return futures[-1]
+
+    monkeypatch.setattr(_transfer, "ThreadPoolExecutor", OneThread)
+    ran: list[str] = []
+
+    def read_many(group):
+        ran.extend(group)
+        if group == ["b"]:  # busy until c is cancelled in the queue
+            deadline = time.monotonic() + 10
+            while not futures[2].cancelled() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return {name: np.zeros(1) for name in group}
+
+    def settle(group):
+        assert all_submitted.wait(10)
+        deadline = time.monotonic() + 10
+        while "b" not in ran and time.monotonic() < deadline:  # b on the thread, c queued
+            time.sleep(0.001)
+        raise RuntimeError("settling failed")
+
+    reads = _transfer.windowed_reads(
+        ["a", "b", "c"],
+        lambda name: 20,  # a group each (at most a quarter of the window), all in it at once
+        read_many,
+        _window.HostWindow(100),
+        settle=settle,
+        place=lambda name, array: array,
+    )
+    outcome: list[BaseException] = []
+
+    def consume():
+        try:
+            list(reads)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(30)
+    assert not consumer.is_alive(), "the restore's end waits for a group that never runs"
+    assert [str(e) for e in outcome] == ["settling failed"]
+    assert ran == ["a", "b"] and futures[2].cancelled()
+
+
 @pytest.mark.parametrize("started", [True, False], ids=["after_start", "before_start"])
 def test_an_interrupt_while_the_reader_thread_starts_frees_the_window_and_the_threads(
     tmp_path, monkeypatch, started

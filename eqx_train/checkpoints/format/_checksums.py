@@ -126,10 +126,7 @@ def part_digest(
     """The digest of part `index` of a tensor, whose bytes are `view` (`each` as in
     `checksum`)."""
     check = _hasher(code, shape, index)
-    for chunk in chunks(view):
-        if each is not None:
-            each(chunk)
-        check.update(chunk)
+    _feed(check.update, view, each)
     return check.hexdigest()
 
 
@@ -144,11 +141,19 @@ def checksum(
     hashed chunk by chunk; `each(chunk)`, if given, runs on each chunk just before it is
     hashed (the read that fills it, or the write that sends it)."""
     digest = Digest(code, shape, part_size)
+    _feed(digest.update, view, each)
+    return digest.result()
+
+
+def _feed(
+    update: Callable[[memoryview], Any],
+    view: memoryview,
+    each: Callable[[memoryview], Any] | None,
+) -> None:
     for chunk in chunks(view):
         if each is not None:
             each(chunk)
-        digest.update(chunk)
-    return digest.result()
+        update(chunk)
 
 
 def _part_size(info: TensorBytes) -> int | None:

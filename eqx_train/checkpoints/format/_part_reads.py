@@ -145,10 +145,7 @@ def read_tensors(
     finally:
         # On an error (or an interrupt of this thread), the reads not yet started are
         # dropped and those running finish before the caller lets the buffers go.
-        flat = [future for job in futures for future in job]
-        for future in flat:
-            future.cancel()
-        wait_through_interrupts(lambda: wait(flat))
+        stop_and_wait([future for job in futures for future in job])
 
 
 def verify_tensors(jobs: Sequence[tuple[Any, memoryview]], bad: Callable[[str], Exception]) -> None:
@@ -180,9 +177,22 @@ def verify_tensors(jobs: Sequence[tuple[Any, memoryview]], bad: Callable[[str], 
         for future in futures:
             future.result()
     finally:
-        for future in futures:
-            future.cancel()
-        wait_through_interrupts(lambda: wait(futures))
+        stop_and_wait(futures)
+
+
+def stop_and_wait(futures: Sequence[Future[Any]]) -> None:
+    """Cancels the `futures` not yet started and waits (through interrupts) for the rest."""
+    for future in futures:
+        future.cancel()
+    wait_through_interrupts(lambda: wait_started(futures))
+
+
+def wait_started(futures: Sequence[Future[Any]]) -> None:
+    """Waits for every future of `futures` that was not cancelled. A future cancelled
+    before it started never runs, and `concurrent.futures.wait` may never see it end: it
+    counts one as done only once a worker has dequeued it, which a pool shut down with
+    `cancel_futures=True` never does."""
+    wait([future for future in futures if not future.cancelled()])
 
 
 def wait_through_interrupts(wait_for: Callable[[], Any]) -> None:

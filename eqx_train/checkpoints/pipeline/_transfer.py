@@ -20,14 +20,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..._calls import call, in_context
-from ..format._part_reads import wait_through_interrupts
+from ..format._part_reads import wait_started, wait_through_interrupts
 from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 
 # A restore reads up to this many groups of leaves at once, each a share of the window.
@@ -344,7 +344,7 @@ def windowed_reads(
                     reads.shutdown(wait=False, cancel_futures=True)  # no read starts now
                     with submitting:
                         running = list(submitted)
-                    wait(running)
+                    wait_started(running)
 
                 wait_through_interrupts(finish)
                 reads.shutdown(wait=True)
