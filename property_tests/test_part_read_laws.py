@@ -66,6 +66,17 @@ def _in_parts(part_bytes: int) -> Iterator[None]:
         _part_reads.PART_BYTES, _part_reads.SPLIT_BYTES, _reader._PARALLEL_MIN_BYTES = saved
 
 
+@pytest.fixture(autouse=True, scope="module")
+def tiny_parts_accepted() -> Iterator[None]:
+    """Files here have parts far smaller than a reader accepts (64 KiB), so that tensors of
+    a few KiB have several."""
+    saved, _reader._MIN_PART_BYTES = _reader._MIN_PART_BYTES, 4096
+    try:
+        yield
+    finally:
+        _reader._MIN_PART_BYTES = saved
+
+
 def _save(directory: str, tensors: dict[str, np.ndarray], part_bytes: int | None) -> str:
     """The file, its tensors of more than one part checksummed in parts of `part_bytes`, or
     each with one digest where None."""

@@ -161,13 +161,16 @@ def test_a_flipped_bit_in_any_part_names_the_tensor_and_the_part(
     _read_in_parts(monkeypatch)
     state = _state()
     path = checkpoints.save_checkpoint(tmp_path, state, 1)
-    start, _ = _span(path, "w")
+    start, nbytes = _span(path, "w")
     with open(path, "r+b") as file:
         file.seek(start + part * PART + 7)
         byte = file.read(1)
         file.seek(start + part * PART + 7)
         file.write(bytes([byte[0] ^ 0x10]))
-    match = f"tensor 'w' fails its checksum in its part {part} "
+    end = min((part + 1) * PART, nbytes)  # the last part is 12 bytes
+    match = (
+        rf"tensor 'w' fails its checksum in its part {part} \(its bytes {part * PART} to {end}\)"
+    )
     with pytest.raises(CheckpointFormatError, match=match) as caught:
         checkpoints.restore_checkpoint(tmp_path, _zeros(state), threaded_reads=threaded)
     assert str(path) in str(caught.value)
@@ -234,6 +237,7 @@ CRAFTED = {
     "part_bytes zero": (_set("part_bytes", 0), "invalid part size"),
     "part_bytes one byte": (_set("part_bytes", 1), "invalid part size"),
     "part_bytes under a page": (_set("part_bytes", 4095), "invalid part size"),
+    "part_bytes under 64 KiB": (_set("part_bytes", PART - 1), "invalid part size"),
     "part_bytes negative": (_set("part_bytes", -PART), "invalid part size"),
     "part_bytes a float": (_set("part_bytes", float(PART)), "invalid part size"),
     "part_bytes a bool": (_set("part_bytes", True), "invalid part size"),

@@ -238,6 +238,49 @@ def test_a_tensor_corrupt_in_one_part_fails_after_placement_naming_the_part(
     assert [a.in_use() for a in _arenas()] == [0]
 
 
+def test_after_a_failed_check_each_block_is_freed_only_once_its_transfers_are_over(
+    tmp_path, arena, monkeypatch
+):
+    # The leaves placed from a group that then fails its check are never settled by the
+    # caller; their transfers may still read the blocks, which the next restore would
+    # overwrite and `_pinned.release` unmap.
+    events: list[tuple[str, Any]] = []
+    ready, free = jax.block_until_ready, _pinned.Arena.free
+
+    def waited(x):
+        events.append(("ready", [id(a) for a in jax.tree.leaves(x)]))
+        return ready(x)
+
+    def freed(self, array):
+        events.append(("free", None))
+        return free(self, array)
+
+    placed: list[int] = []
+    real_place = _restore.place
+
+    def placing(kind, target, array):
+        leaf = real_place(kind, target, array)
+        placed.append(id(leaf))
+        return leaf
+
+    monkeypatch.setattr(jax, "block_until_ready", waited)
+    monkeypatch.setattr(_pinned.Arena, "free", freed)
+    monkeypatch.setattr(_restore, "place", placing)
+    # Placed from the block itself, as on an accelerator (a CPU device gets a copy).
+    monkeypatch.setattr(_read, "reads_in_place", lambda platform: False)
+    state = {"w": jnp.arange(MIB // 2, dtype=jnp.float32)}
+    path = checkpoints.save_checkpoint(tmp_path, state, 0)
+    with open(path, "r+b") as file:
+        file.seek(-100, 2)
+        file.write(b"\x01")
+    with pytest.raises(CheckpointFormatError, match="tensor 'w' fails its checksum"):
+        checkpoints.restore_checkpoint(tmp_path, _zeros(state))
+    first_free = events.index(("free", None))
+    waited_for = {i for kind, ids in events[:first_free] if kind == "ready" for i in ids}
+    assert placed and set(placed) <= waited_for
+    assert [a.in_use() for a in _arenas()] == [0]
+
+
 def test_a_check_failing_after_a_failed_placement_is_the_error_raised():
     # Corrupt bytes can make a placement fail in its own way: the checksum says why.
     def place(name, array):

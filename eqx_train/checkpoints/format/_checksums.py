@@ -14,7 +14,6 @@ Every checksum, written or read, goes through `Digest`; every comparison through
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -54,12 +53,15 @@ class TensorBytes(Protocol):
     def shape(self) -> tuple[int, ...]: ...
 
     @property
+    def nbytes(self) -> int: ...
+
+    @property
     def checksum(self) -> Checksum | None: ...
 
 
 def part_count(nbytes: int, size: int) -> int:
     """How many parts of `size` bytes (the last one shorter) cover `nbytes`."""
-    return max(1, math.ceil(nbytes / size))
+    return max(1, -(-nbytes // size))
 
 
 def written_part_size(nbytes: int) -> int | None:
@@ -190,7 +192,7 @@ def _compare(info: TensorBytes, found: Checksum, bad: Callable[[str], Exception]
     if isinstance(found, Parts) and isinstance(info.checksum, Parts):
         pairs = zip(found.digests, info.checksum.digests, strict=True)
         index = next(i for i, (a, b) in enumerate(pairs) if a != b)
-        raise bad(_corrupt(info, _part(index, found.size)))
+        raise bad(_corrupt(info, _part(info, index, found.size)))
     raise bad(_corrupt(info))
 
 
@@ -205,11 +207,12 @@ def verify_part(
     `Parts`), matches that part's digest (`each` as in `checksum`)."""
     assert isinstance(info.checksum, Parts)
     if part_digest(info.code, info.shape, index, view, each) != info.checksum.digests[index]:
-        raise bad(_corrupt(info, _part(index, info.checksum.size)))
+        raise bad(_corrupt(info, _part(info, index, info.checksum.size)))
 
 
-def _part(index: int, size: int) -> str:
-    return f" in its part {index} (its bytes {index * size} to {(index + 1) * size})"
+def _part(info: TensorBytes, index: int, size: int) -> str:
+    start, stop = index * size, min((index + 1) * size, info.nbytes)
+    return f" in its part {index} (its bytes {start} to {stop})"
 
 
 def _corrupt(info: TensorBytes, where: str = "") -> str:

@@ -69,7 +69,9 @@ from ._timing import add_stage, stage, timing
 _MIN_BYTES_PER_CONTAINER = 8
 _PARALLEL_MIN_BYTES = 16 << 20
 _FIRST_READ = 16 << 10  # the first request reads the length field and most headers
-_MIN_PART_BYTES = 4096
+# The smallest part size a file may give (the writer's is 8 MiB): every part costs a
+# reader's task, so a crafted table of tiny parts would slow a restore many times over.
+_MIN_PART_BYTES = 64 << 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ class FileReader(ReaderBase):
             raise self.bad("its checksum table is malformed")
         table: dict[str, Any] = parsed["tensors"]
         size = parsed.get("part_bytes")
-        # Of at least a page, so that a crafted size cannot cut a read into a part per byte.
+        # Of at least `_MIN_PART_BYTES`: a crafted size must not cut a read into tiny parts.
         if (size is not None or any(isinstance(v, list) for v in table.values())) and not (
             type(size) is int and size >= _MIN_PART_BYTES
         ):

@@ -90,6 +90,7 @@ def read_whole(
             try:
                 host = pinned.unshared(name, targets[slot.index], slot.host_array(array))
                 leaf = place(slot.kind, targets[slot.index], host)
+                pinned.placed_from(name, host, leaf)
             except _transform.TransformError as error:
                 placed.append((slot, None, f"'{slot.target}': from saved '{name}': {error}"))
                 continue
@@ -139,7 +140,8 @@ def read_whole(
                         leaves[slot.index] = leaf
     finally:
         # After an error or an interrupt no reader thread is left (`windowed_reads` waits
-        # for them); a transfer still in flight only feeds a leaf the restore drops.
+        # for them); a transfer still in flight feeds a leaf the restore drops, and its
+        # block is freed once it is over.
         pinned.free(list(pinned.blocks))
     return problems
 
@@ -153,6 +155,7 @@ class _PinnedBlocks:
     def __init__(self, reader: Any, whole: dict[str, list[Slot]], targets: list[Any]) -> None:
         self.arenas: dict[str, _pinned.Arena] = {}
         self.blocks: dict[str, tuple[_pinned.Arena, np.ndarray]] = {}
+        self.leaves: dict[str, list[Any]] = {}  # placed from each block: transfers may run
         self.offer: dict[str, Any] = {}
         if not getattr(reader, "reads_into", False):
             return
@@ -183,9 +186,23 @@ class _PinnedBlocks:
         device = _pinned.target_device(target)
         return host.copy() if device is None or reads_in_place(device.platform) else host
 
+    def placed_from(self, name: str, host: np.ndarray, leaf: Any) -> None:
+        """Records `leaf`, placed from `host` (the bytes of tensor `name`), where `host` is
+        in a block: `free` waits for its transfer."""
+        held = self.blocks.get(name)
+        if held is not None and np.may_share_memory(host, held[1]):
+            self.leaves.setdefault(name, []).append(leaf)
+
     def free(self, names: list[str]) -> None:
+        """Frees the blocks of tensors `names` once the transfers from them are over: after
+        an error, leaves placed but never settled may still be reading their blocks, which
+        the next restore would overwrite (or `_pinned.release` unmap) under them."""
         for name in names:
             if (held := self.blocks.pop(name, None)) is not None:
+                try:
+                    jax.block_until_ready(self.leaves.pop(name, []))
+                except Exception:  # a transfer that failed is over too
+                    pass
                 held[0].free(held[1])
 
 
