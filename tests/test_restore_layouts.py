@@ -6,6 +6,7 @@ returns the target unchanged from a path holding weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import pickle
@@ -193,6 +194,20 @@ def test_a_foreign_file_is_refused_naming_what_it_is_and_the_call_that_reads_it(
     for call in (restore_checkpoint, plan_restore) if kind != "flax" else (restore_checkpoint,):
         with pytest.raises(CheckpointFormatError, match=message):
             call(str(path), _target())
+
+
+@pytest.mark.parametrize("first_byte", [0x80, 0x81, 0x8F, 0xDE])
+def test_a_safetensors_header_error_is_not_blamed_on_a_pickle_or_msgpack(tmp_path, first_byte):
+    # The length field's first byte is the header length's low byte: padded to that, a
+    # safetensors file starts like a pickle or msgpack. Its header error is what is wrong.
+    header = json.dumps({"w": {"dtype": "Q99", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    header += b" " * ((first_byte - len(header)) % 256)
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    assert path.read_bytes()[0] == first_byte
+    with pytest.raises(CheckpointFormatError, match="unsupported dtype") as caught:
+        restore_checkpoint(path, None)
+    assert type(caught.value) is CheckpointFormatError
 
 
 @pytest.mark.parametrize(

@@ -199,10 +199,16 @@ def sniff_file(store: Storage, path: str) -> ForeignCheckpointError | None:
     except (OSError, CheckpointFormatError):
         return None
     try:
-        head = bytearray(min(_SNIFF_BYTES, source.size))
+        size = source.size
+        head = bytearray(min(_SNIFF_BYTES, size))
         source.read_into(memoryview(head), 0)
     finally:
         source.close()
+    length = int.from_bytes(head[:8], "little")
+    if len(head) > 8 and head[8:9] == b"{" and length <= size - 8:
+        # A safetensors file whose header is wrong (its length field may start with any
+        # byte, 0x80 included): its own error says what is wrong, not a pickle's.
+        return None
     if head[:4] == b"PK\x03\x04":
         return ForeignCheckpointError(
             path,
