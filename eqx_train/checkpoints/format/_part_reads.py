@@ -90,20 +90,9 @@ def read_tensors(
             add_stage("read", time.perf_counter() - start)
 
     def read_verified(info: Any, index: int, part: memoryview, offset: int) -> None:
-        # Each chunk hashed right after it is read, while it is still in cache.
-        reading, start = 0.0, time.perf_counter()
-
-        def read_chunk(chunk: memoryview) -> None:
-            nonlocal offset, reading
-            began = time.perf_counter()
-            read_into(chunk, offset)
-            reading += time.perf_counter() - began
-            offset += len(chunk)
-
-        verify_part(info, index, part, bad, read_chunk)
-        if timed:
-            add_stage("read", reading)
-            add_stage("verify", time.perf_counter() - start - reading)
+        read_while_hashing(
+            read_into, offset, lambda each: verify_part(info, index, part, bad, each)
+        )
 
     pool = _readers()
     futures: list[list[Future[Any]]] = []
@@ -146,6 +135,30 @@ def read_tensors(
         # On an error (or an interrupt of this thread), the reads not yet started are
         # dropped and those running finish before the caller lets the buffers go.
         stop_and_wait([future for job in futures for future in job])
+
+
+def read_while_hashing(
+    read_into: Callable[[memoryview, int], None],
+    offset: int,
+    hash_with: Callable[[Callable[[memoryview], None]], None],
+) -> None:
+    """Runs `hash_with(each)` (a checksum over a buffer, chunk by chunk), where `each(chunk)`
+    reads the chunk's bytes (the next ones from file `offset` on) with `read_into` just
+    before it is hashed, so that each is hashed while still in cache; the time spent
+    reading and hashing goes to the stage breakdown."""
+    reading, start = 0.0, time.perf_counter()
+
+    def read_chunk(chunk: memoryview) -> None:
+        nonlocal offset, reading
+        began = time.perf_counter()
+        read_into(chunk, offset)
+        reading += time.perf_counter() - began
+        offset += len(chunk)
+
+    hash_with(read_chunk)
+    if timing():  # reads and hashes alternate chunk by chunk
+        add_stage("read", reading)
+        add_stage("verify", time.perf_counter() - start - reading)
 
 
 def verify_tensors(jobs: Sequence[tuple[Any, memoryview]], bad: Callable[[str], Exception]) -> None:

@@ -32,7 +32,6 @@ raises a short `CheckpointFormatError` naming the file and what is wrong. Checks
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +63,7 @@ from ._names import (
     PLAIN_FORMAT_VERSION,
     TREE_KEY,
 )
-from ._timing import add_stage, stage, timing
+from ._timing import stage
 
 _MIN_BYTES_PER_CONTAINER = 8
 _PARALLEL_MIN_BYTES = 16 << 20
@@ -94,6 +93,11 @@ class TensorInfo:
 
 def _is_count(x: Any) -> bool:
     return type(x) is int and x >= 0
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes a tensor is read into (none for an empty one)."""
+    return as_bytes(array) if array.nbytes else memoryview(b"")
 
 
 def _is_digest(x: Any) -> bool:
@@ -315,7 +319,7 @@ class FileReader(ReaderBase):
     def _fill(self, info: TensorInfo, out: np.ndarray, verify: bool) -> None:
         """Reads tensor `info` into `out` (and checks it). Locally chunk by chunk, each
         hashed while still in cache; from an object store in parallel ranged requests."""
-        view = as_bytes(out) if info.nbytes else memoryview(b"")
+        view = _bytes_of(out)
         check = verify and info.checksum
         if not self.source.cheap_reads or not check:
             with stage("read"):
@@ -324,19 +328,11 @@ class FileReader(ReaderBase):
                 with stage("verify"):
                     verify_bytes(info, view, self.bad)
             return
-        offset, reading, start = info.start, 0.0, time.perf_counter()
-
-        def read_chunk(chunk: memoryview) -> None:
-            nonlocal offset, reading
-            began = time.perf_counter()
-            self.source.read_into(chunk, offset)
-            reading += time.perf_counter() - began
-            offset += len(chunk)
-
-        verify_bytes(info, view, self.bad, read_chunk)
-        if timing():  # for the stage breakdown: reads and hashes alternate chunk by chunk
-            add_stage("read", reading)
-            add_stage("verify", time.perf_counter() - start - reading)
+        _part_reads.read_while_hashing(
+            self.source.read_into,
+            info.start,
+            lambda each: verify_bytes(info, view, self.bad, each),
+        )
 
     def read_many(
         self,
@@ -352,9 +348,7 @@ class FileReader(ReaderBase):
         None, the tensor gets a buffer of its own."""
         infos = [self.tensors[n] for n in names]
         outs = [buffer_for(info.name, info.shape, info.dtype, into) for info in infos]
-        views = [
-            as_bytes(o) if i.nbytes else memoryview(b"") for o, i in zip(outs, infos, strict=True)
-        ]
+        views = [_bytes_of(out) for out in outs]
         if not self.source.cheap_reads:
             # An object store: every range at once, so requests overlap.
             self.source.read_ranges(
@@ -378,8 +372,5 @@ class FileReader(ReaderBase):
         """Checks tensors `read_many(verify=False)` returned (by name) against their
         checksums, on the shared readers (`_part_reads.verify_tensors`): a restore onto an
         accelerator checks a group while its transfers run, and raises before it returns."""
-        jobs = [
-            (self.tensors[name], as_bytes(array) if array.nbytes else memoryview(b""))
-            for name, array in arrays.items()
-        ]
+        jobs = [(self.tensors[name], _bytes_of(array)) for name, array in arrays.items()]
         _part_reads.verify_tensors(jobs, self.bad)

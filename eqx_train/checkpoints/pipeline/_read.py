@@ -111,8 +111,13 @@ def read_whole(
     # Onto an accelerator, a group's checksums are checked while its transfers run: a
     # tensor as large as the window is otherwise read, checked, then sent, while the next
     # one waits for its room (the checks of the parts run at once on the shared readers).
-    later = bool(options.verify and options.threaded_reads and pinned.offer)
-    later = later and CHECK_WHILE_PLACING and hasattr(reader, "verify_read")
+    later = bool(
+        CHECK_WHILE_PLACING
+        and options.verify
+        and options.threaded_reads
+        and pinned.offer
+        and hasattr(reader, "verify_read")
+    )
     reads = windowed_reads(
         list(whole),
         nbytes,
