@@ -10,11 +10,13 @@ On the default device (a GPU where there is one), float32 states of random value
   same bytes; and from the page cache;
 - `--big-mib` MiB in `--leaves` leaves from the page cache: as it is, with `verify=False`
   (what checking every tensor's checksum costs), with each group's checksums checked as it
-  is read rather than while its transfers run (`_read.CHECK_WHILE_PLACING`), and from a
-  file written with one digest per tensor (before format version 3: one xxh3 stream per
-  tensor, at one core's speed). Twice the default window was measured on an H200 too: 1.03
-  and 1.04 s against 0.87 and 0.90 s as it is (tensors past the pinned arena come from
-  pageable memory), so it is no longer a variant.
+  is read rather than while its transfers run (`_read.CHECK_WHILE_PLACING`), with each
+  tensor read whole rather than in spans of its parts (`_pieces`; what the spans gain when
+  a leaf is as large as the window), and from a file written with one digest per tensor
+  (before format version 3: one xxh3 stream per tensor, at one core's speed). Twice the
+  default window was measured on an H200 too: 1.03 and 1.04 s against 0.87 and 0.90 s as
+  it is (tensors past the pinned arena come from pageable memory), so it is no longer a
+  variant.
 
 Variants are interleaved (the order rotated every round); medians of `--rounds`:
 
@@ -53,6 +55,7 @@ from gpu_checkpoints import (  # noqa: E402
 
 from eqx_train import checkpoints  # noqa: E402
 from eqx_train.checkpoints.format import _checksums  # noqa: E402
+from eqx_train.checkpoints.format._reader import FileReader  # noqa: E402
 from eqx_train.checkpoints.pipeline import _read  # noqa: E402
 from eqx_train.checkpoints.storage._local_files import LocalSource  # noqa: E402
 
@@ -130,6 +133,21 @@ def checked_before(restore: Callable[[], Any]) -> Callable[[], Any]:
     return before
 
 
+def whole_tensors(restore: Callable[[], Any]) -> Callable[[], Any]:
+    """`restore` reading every tensor whole, none in spans (`_pieces`): a tensor as large as
+    the window is then read, sent, and only then followed by the next."""
+
+    def whole() -> Any:
+        spans = FileReader.spans
+        FileReader.spans = lambda self, name, max_bytes: None  # type: ignore[method-assign]
+        try:
+            return restore()
+        finally:
+            FileReader.spans = spans  # type: ignore[method-assign]
+
+    return whole
+
+
 def big(samples: Samples, base: str, mib: int, leaves: int, rounds: int) -> None:
     directory, single = fresh_dir(base, "big"), fresh_dir(base, "single")
     state = make_state(mib, leaves, 3)
@@ -146,6 +164,7 @@ def big(samples: Samples, base: str, mib: int, leaves: int, rounds: int) -> None
         "as it is": restore,
         "verify=False": partial(restore, verify=False),
         "checked before placing": checked_before(restore),
+        "each tensor whole": whole_tensors(restore),
         "one digest per tensor": partial(checkpoints.restore_checkpoint, single, target),
     }
     for round_ in range(rounds):

@@ -77,3 +77,19 @@ def proxied(s3_server, s3_bucket):
             "client_kwargs": {"endpoint_url": proxy.url, "region_name": "us-east-1"},
         }
         yield f"{s3_bucket}/run", options, proxy
+
+
+@pytest.fixture
+def arena(monkeypatch):
+    """CPU devices get a 4 MiB pinned arena (`pipeline._pinned`), as an accelerator's client
+    does; returns the (address, bytes) each (recorded, fake) `dma_map` got. A CPU device
+    adopts the host buffer it is placed from, so a block reused too early shows up as a
+    wrong leaf: the failure the arena must never cause on a GPU."""
+    from eqx_train.checkpoints.pipeline import _pinned
+
+    mapped: list[tuple[int, int]] = []
+    monkeypatch.setattr(_pinned, "eligible", lambda platform: True)
+    monkeypatch.setattr(_pinned, "dma_map", lambda client, a, n: mapped.append((a, n)))
+    monkeypatch.setattr(_pinned, "ARENA_BYTES", 4 << 20)
+    monkeypatch.setattr(_pinned, "_arenas", {})
+    return mapped

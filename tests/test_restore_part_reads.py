@@ -212,7 +212,7 @@ def test_a_submit_that_fails_midway_still_waits_for_the_parts_already_submitted(
     out = np.zeros(4 * PART, np.uint8)
     with pytest.raises(RuntimeError, match="cannot schedule"):
         _part_reads.read_tensors(
-            lambda *args: None, read_into, [(info, out, out.data)], True, ValueError
+            lambda *args: None, read_into, [(info, out, out.data, None)], True, ValueError
         )
     assert filling == []  # no read still writes into `out`, which the caller lets go
 

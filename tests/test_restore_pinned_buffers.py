@@ -37,17 +37,6 @@ pytestmark = pytest.mark.usefixtures("interruptible")
 MIB = 2**20
 
 
-@pytest.fixture
-def arena(monkeypatch) -> list[tuple[int, int]]:
-    """CPU devices get a 4 MiB arena; returns the (address, bytes) each `dma_map` got."""
-    mapped: list[tuple[int, int]] = []
-    monkeypatch.setattr(_pinned, "eligible", lambda platform: True)
-    monkeypatch.setattr(_pinned, "dma_map", lambda client, a, n: mapped.append((a, n)))
-    monkeypatch.setattr(_pinned, "ARENA_BYTES", 4 * MIB)
-    monkeypatch.setattr(_pinned, "_arenas", {})
-    return mapped
-
-
 def _arenas() -> list[_pinned.Arena]:
     return [a for _, a in _pinned._arenas.values() if a is not None]
 

@@ -10,12 +10,14 @@ import numpy as np
 
 from ..._text import short
 from ._keys import ALIGN_FOR_DEVICE
+from ._spans import Span, describe
 
 MAX_NDIM = 64
 
-# Offers the buffer a tensor is read into: (name, shape, dtype) -> an array, or None for a
-# buffer of its own (see `buffer_for`).
-Into = Callable[[str, tuple[int, ...], np.dtype], "np.ndarray | None"]
+
+# Offers the buffer a tensor (or a span of one) is read into: (its key, shape, dtype) -> an
+# array, or None for a buffer of its own (see `buffer_for`).
+Into = Callable[["str | Span", tuple[int, ...], np.dtype], "np.ndarray | None"]
 
 
 def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
@@ -40,15 +42,17 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def buffer_for(name: str, shape: tuple[int, ...], dtype: np.dtype, into: Into | None) -> np.ndarray:
-    """The buffer tensor `name` is read into: the one `into` offers (a C-contiguous array of
-    exactly its shape and dtype), else an aligned buffer of its own."""
+def buffer_for(
+    name: str | Span, shape: tuple[int, ...], dtype: np.dtype, into: Into | None
+) -> np.ndarray:
+    """The buffer tensor (or span) `name` is read into: the one `into` offers (a C-contiguous
+    array of exactly its shape and dtype), else an aligned buffer of its own."""
     offered = None if into is None else into(name, shape, dtype)
     if offered is None:
         return aligned_empty(shape, dtype)
     if offered.shape != shape or offered.dtype != dtype or not offered.flags.c_contiguous:
         raise ValueError(
-            f"a buffer for tensor '{name}' must be a C-contiguous {dtype}{list(shape)}, "
+            f"a buffer for {describe(name)} must be a C-contiguous {dtype}{list(shape)}, "
             f"got {offered.dtype}{list(offered.shape)}"
         )
     return offered

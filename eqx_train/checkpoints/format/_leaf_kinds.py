@@ -136,7 +136,9 @@ class LeafKind:
     test: Callable[[Any], bool]
     data: Callable[[Any], Any]  # the leaf as an array-like with .dtype/.shape
     rebuild: Callable[[np.ndarray, dict[str, Any]], Any]
-    fill: Callable[[Any, np.ndarray], Any]  # (target leaf, file array) -> restored leaf
+    # (target leaf, file array; for "array", also the tensor already joined on the target's
+    # device from pieces) -> restored leaf
+    fill: Callable[[Any, Any], Any]
     scalar_type: type | None = None  # Python scalars: any dtype whose value converts exactly
 
 

@@ -12,11 +12,15 @@ verifies on every reader at once. An older file's one digest per tensor is a sin
 stream: the calling thread computes it over parts of `PART_BYTES`, in order, as they
 arrive (at one core's speed, which bounds such a tensor's restore). Only a tensor in memory
 is cut, though: one still on the disk (the source says, `LocalSource.cached`) is read
-whole, front to back, the order a disk's readahead serves fastest.
+whole, front to back, the order a disk's readahead serves fastest. A span of a tensor's
+parts (`_arrays.Span`: a restore onto an accelerator reads a tensor as large as its window
+span by span) is read as the parts of a tensor are, each verified against its own part's
+digest, in order by one reader where it is on the disk.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._checksums import Parts, verify_bytes, verify_part, verify_parts
+from ._spans import Span, describe
 from ._timing import add_stage, timing
 
 PART_BYTES = 8 << 20
@@ -64,23 +69,55 @@ def split(
     return [(view[i : i + size], offset + i) for i in range(0, len(view), size)]
 
 
+def spans(info: Any, max_bytes: int) -> list[Span] | None:
+    """Tensor `info` as consecutive spans of its parts, each of at most `max_bytes` (but at
+    least one part) and of whole elements; None where it has no parts (a file before format
+    version 3, a tensor of one part) or would be one span."""
+    if not isinstance(info.checksum, Parts):
+        return None
+    size, itemsize = info.checksum.size, info.dtype.itemsize
+    whole_elements = itemsize // math.gcd(size, itemsize)  # parts that end on an element
+    per_span = max(1, max_bytes // size // whole_elements) * whole_elements
+    count = len(info.checksum.digests)
+    if count <= per_span:
+        return None
+    return [
+        Span(info.name, i, min(i + per_span, count), min(per_span * size, info.nbytes - i * size))
+        for i in range(0, count, per_span)
+    ]
+
+
+def span_shape(info: Any, span: Span) -> tuple[int]:
+    """The shape `span` of tensor `info` is read as (flat); raises `ValueError` for a span
+    that is not one of its parts, or not `span.nbytes` of whole elements."""
+    parts = info.checksum
+    if not isinstance(parts, Parts) or not 0 <= span.first < span.stop <= len(parts.digests):
+        raise ValueError(f"{describe(span)} is not a span of the tensor's parts")
+    start, stop = span.first * parts.size, min(span.stop * parts.size, info.nbytes)
+    itemsize = info.dtype.itemsize
+    if start % itemsize or stop % itemsize or span.nbytes != stop - start:
+        raise ValueError(f"{describe(span)} is not {span.nbytes} bytes of whole {info.dtype}")
+    return ((stop - start) // itemsize,)
+
+
 def read_tensors(
     fill: Callable[[Any, np.ndarray, bool], None],
     read_into: Callable[[memoryview, int], None],
-    jobs: Sequence[tuple[Any, np.ndarray, memoryview]],
+    jobs: Sequence[tuple[Any, np.ndarray, memoryview, int | None]],
     verify: bool,
     bad: Callable[[str], Exception],
     cached: Callable[[int, int], bool] | None = None,
 ) -> None:
-    """Fills each job's buffer (tensor info, its buffer, the buffer's bytes) on the shared
-    readers: a tensor of at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)`
-    (which hashes each chunk right after reading it); a larger one part by part, with
+    """Fills each job's buffer (tensor info, its buffer, the buffer's bytes, and None for a
+    whole tensor or the index of the first part of a span of one) on the shared readers:
+    a tensor of at most `SPLIT_BYTES` whole, by `fill(info, buffer, verify)` (which hashes
+    each chunk right after reading it); a larger one, or a span, part by part, with
     `read_into(part, file offset)`, checked (with `verify`, where it has a checksum) by
     the reader of each part where it has a digest per part, else on this thread as its
-    parts arrive, raising `bad(...)` if it fails; but whole too where
-    `cached(file offset, bytes)` says its bytes are not in memory (a disk serves one
-    stream front to back faster than scattered parts). Returns, or raises, only once no
-    reader writes into any of the buffers."""
+    parts arrive, raising `bad(...)` if it fails. Where `cached(file offset, bytes)` says
+    the bytes are not in memory, a tensor is read whole and a span's parts in order, by
+    one reader (a disk serves one stream front to back faster than scattered parts).
+    Returns, or raises, only once no reader writes into any of the buffers."""
     timed = timing()
 
     def read(part: memoryview, offset: int) -> None:
@@ -89,48 +126,52 @@ def read_tensors(
         if timed:
             add_stage("read", time.perf_counter() - start)
 
-    def read_verified(info: Any, index: int, part: memoryview, offset: int) -> None:
-        read_while_hashing(
-            read_into, offset, lambda each: verify_part(info, index, part, bad, each)
-        )
+    def read_part(info: Any, index: int, part: memoryview, offset: int) -> None:
+        if verify and isinstance(info.checksum, Parts):
+            read_while_hashing(
+                read_into, offset, lambda each: verify_part(info, index, part, bad, each)
+            )
+        else:
+            read(part, offset)
+
+    def read_in_order(info: Any, first: int, parts: list[tuple[memoryview, int]]) -> None:
+        for index, (part, offset) in enumerate(parts, first):
+            read_part(info, index, part, offset)
 
     pool = _readers()
     futures: list[list[Future[Any]]] = []
     cut: list[list[tuple[memoryview, int]] | None] = []
     try:
-        for info, out, view in jobs:
+        for info, out, view, first in jobs:
             # Each read recorded as soon as it is submitted: a submit that fails, or an
             # interrupt between two, must not leave a read the `finally` does not wait for.
             pending: list[Future[Any]] = []
             futures.append(pending)
-            checked = verify and isinstance(info.checksum, Parts)
-            size = info.checksum.size if checked else PART_BYTES
-            if info.nbytes > max(SPLIT_BYTES, size) and (
-                cached is None or cached(info.start, info.nbytes)
-            ):
-                parts = split(view, info.start, size)
-                cut.append(parts)
-                for index, (part, offset) in enumerate(parts):
-                    if checked:
-                        pending.append(pool.submit(read_verified, info, index, part, offset))
-                    else:
-                        pending.append(pool.submit(read, part, offset))
-            else:
+            has_parts = isinstance(info.checksum, Parts)
+            size = info.checksum.size if has_parts and (verify or first is not None) else None
+            offset = info.start + (first or 0) * (size or 0)
+            in_memory = cached is None or cached(offset, len(view))
+            if first is None and not (info.nbytes > max(SPLIT_BYTES, size or 0) and in_memory):
                 cut.append(None)
                 pending.append(pool.submit(fill, info, out, verify))
-        for (info, _, _), parts, pending in zip(jobs, cut, futures, strict=True):
-            if parts is None:
-                pending[0].result()
                 continue
-            arrived = _Arrivals(parts, pending)
-            if verify and isinstance(info.checksum, str):
+            parts = split(view, offset, size)
+            cut.append(parts)
+            if in_memory:
+                for index, (part, at) in enumerate(parts, first or 0):
+                    pending.append(pool.submit(read_part, info, index, part, at))
+            else:
+                pending.append(pool.submit(read_in_order, info, first or 0, parts))
+        for (info, _, _, _), parts, pending in zip(jobs, cut, futures, strict=True):
+            if parts is not None and verify and isinstance(info.checksum, str):
+                arrived = _Arrivals(parts, pending)
                 start = time.perf_counter()
                 verify_parts(info, arrived, bad)
                 if timed:
                     add_stage("verify", time.perf_counter() - start - arrived.waited)
             else:
-                for _ in arrived:
-                    pass
+                for future in pending:
+                    future.result()
     finally:
         # On an error (or an interrupt of this thread), the reads not yet started are
         # dropped and those running finish before the caller lets the buffers go.
@@ -161,13 +202,18 @@ def read_while_hashing(
         add_stage("verify", time.perf_counter() - start - reading)
 
 
-def verify_tensors(jobs: Sequence[tuple[Any, memoryview]], bad: Callable[[str], Exception]) -> None:
-    """Checks the bytes already read of each job's tensor (its info, its bytes) against
-    its checksum on the shared readers: a tensor checksummed in parts part by part, at
-    once, any other whole. A restore onto an accelerator checks a group this way while
-    the group's transfers to its devices run, rather than before they start. Raises
-    `bad(...)` for the first tensor (in order) that fails; returns, or raises, only once
-    no reader reads any of the bytes."""
+def verify_tensors(
+    jobs: Sequence[tuple[Any, memoryview, int | None]],
+    bad: Callable[[str], Exception],
+    parallel: bool = True,
+) -> None:
+    """Checks the bytes already read of each job's tensor (its info, its bytes, and None
+    for the whole tensor or the index of the first part of a span of it) against its
+    checksum: a tensor checksummed in parts part by part, on the shared readers at once
+    (with `parallel`; else on this thread), any other whole. A restore onto an
+    accelerator checks a group this way while the group's transfers to its devices run,
+    rather than before they start. Raises `bad(...)` for the first tensor (in order) that
+    fails; returns, or raises, only once no reader reads any of the bytes."""
     timed = timing()
 
     def timed_check(check: Callable[..., None], *args: Any) -> None:
@@ -176,17 +222,27 @@ def verify_tensors(jobs: Sequence[tuple[Any, memoryview]], bad: Callable[[str], 
         if timed:
             add_stage("verify", time.perf_counter() - start)
 
+    checks: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+    for info, view, first in jobs:
+        if not info.checksum:
+            continue
+        if isinstance(info.checksum, Parts) and (
+            first is not None or info.nbytes > info.checksum.size
+        ):
+            parts = split(view, 0, info.checksum.size)
+            for index, (part, _) in enumerate(parts, first or 0):
+                checks.append((verify_part, (info, index, part, bad)))
+        else:
+            checks.append((verify_bytes, (info, view, bad)))
+    if not parallel:
+        for check, args in checks:
+            timed_check(check, *args)
+        return
     pool = _readers()
     futures: list[Future[Any]] = []
     try:
-        for info, view in jobs:
-            if not info.checksum:
-                continue
-            if isinstance(info.checksum, Parts) and info.nbytes > info.checksum.size:
-                for index, (part, _) in enumerate(split(view, 0, info.checksum.size)):
-                    futures.append(pool.submit(timed_check, verify_part, info, index, part, bad))
-            else:
-                futures.append(pool.submit(timed_check, verify_bytes, info, view, bad))
+        for check, args in checks:
+            futures.append(pool.submit(timed_check, check, *args))
         for future in futures:
             future.result()
     finally:

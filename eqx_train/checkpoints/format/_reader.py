@@ -63,6 +63,7 @@ from ._names import (
     PLAIN_FORMAT_VERSION,
     TREE_KEY,
 )
+from ._spans import Span, name_of
 from ._timing import stage
 
 _MIN_BYTES_PER_CONTAINER = 8
@@ -98,6 +99,12 @@ def _is_count(x: Any) -> bool:
 def _bytes_of(array: np.ndarray) -> memoryview:
     """The bytes a tensor is read into (none for an empty one)."""
     return as_bytes(array) if array.nbytes else memoryview(b"")
+
+
+def _offset(info: TensorInfo, first: int | None) -> int:
+    """The file offset of part `first` of tensor `info` (None: of the tensor)."""
+    parts = info.checksum
+    return info.start + (first * parts.size if first and isinstance(parts, Parts) else 0)
 
 
 def _is_digest(x: Any) -> bool:
@@ -334,43 +341,73 @@ class FileReader(ReaderBase):
             lambda each: verify_bytes(info, view, self.bad, each),
         )
 
+    def spans(self, name: str, max_bytes: int) -> list[Span] | None:
+        """Tensor `name` as spans of its parts for `read_many` (`_part_reads.spans`): a
+        restore reads and places a tensor as large as its window span by span."""
+        return _part_reads.spans(self.tensors[name], max_bytes)
+
+    def _span(self, key: str | Span) -> tuple[TensorInfo, tuple[int, ...], int | None]:
+        """The tensor a key of `read_many` reads from, the shape it is read as, and the
+        index of its first part (None: the whole tensor)."""
+        info = self.tensors[name_of(key)]
+        if not isinstance(key, Span):
+            return info, info.shape, None
+        try:
+            return info, _part_reads.span_shape(info, key), key.first
+        except ValueError as error:
+            raise ValueError(f"{error} in {self.path}") from None
+
     def read_many(
         self,
-        names: Sequence[str],
+        names: Sequence[str | Span],
         *,
         verify: bool = True,
         parallel: bool = True,
         into: Into | None = None,
-    ) -> dict[str, np.ndarray]:
-        """Whole tensors, by name: read (and verified) by several threads when they are
-        large (`_part_reads`). `into(name, shape, dtype)`, if given, offers the buffer a
-        tensor is read into (a pinned host buffer, see `pipeline._pinned`); where it gives
-        None, the tensor gets a buffer of its own."""
-        infos = [self.tensors[n] for n in names]
-        outs = [buffer_for(info.name, info.shape, info.dtype, into) for info in infos]
+    ) -> dict[Any, np.ndarray]:
+        """Whole tensors, by name, or spans of them (`spans`), by span: read (and verified)
+        by several threads when they are large (`_part_reads`). `into(key, shape, dtype)`,
+        if given, offers the buffer a tensor is read into (a pinned host buffer, see
+        `pipeline._pinned`); where it gives None, the tensor gets a buffer of its own."""
+        spans = [self._span(key) for key in names]
+        outs = [
+            buffer_for(key, shape, info.dtype, into)
+            for key, (info, shape, _) in zip(names, spans, strict=True)
+        ]
         views = [_bytes_of(out) for out in outs]
+        jobs = [
+            (info, out, view, first)
+            for (info, _, first), out, view in zip(spans, outs, views, strict=True)
+        ]
         if not self.source.cheap_reads:
             # An object store: every range at once, so requests overlap.
             self.source.read_ranges(
-                [(v, i.start) for v, i in zip(views, infos, strict=True) if i.nbytes]
+                [(view, _offset(info, first)) for info, _, view, first in jobs if len(view)]
             )
-            for info, view in zip(infos, views, strict=True):
-                if verify and info.checksum:
-                    verify_bytes(info, view, self.bad)
-        elif parallel and sum(i.nbytes for i in infos) >= _PARALLEL_MIN_BYTES:
-            jobs = list(zip(infos, outs, views, strict=True))
+            if verify:
+                _part_reads.verify_tensors([(i, v, f) for i, _, v, f in jobs], self.bad)
+        elif parallel and sum(len(view) for view in views) >= _PARALLEL_MIN_BYTES:
             cached = getattr(self.source, "cached", None)
             _part_reads.read_tensors(
                 self._fill, self.source.read_into, jobs, verify, self.bad, cached
             )
         else:
-            for info, out in zip(infos, outs, strict=True):
-                self._fill(info, out, verify)
+            for info, out, view, first in jobs:
+                if first is None:
+                    self._fill(info, out, verify)
+                    continue
+                with stage("read"):
+                    self.source.read_into(view, _offset(info, first))
+                if verify:
+                    _part_reads.verify_tensors([(info, view, first)], self.bad, parallel=False)
         return dict(zip(names, outs, strict=True))
 
-    def verify_read(self, arrays: dict[str, np.ndarray]) -> None:
-        """Checks tensors `read_many(verify=False)` returned (by name) against their
+    def verify_read(self, arrays: dict[Any, np.ndarray]) -> None:
+        """Checks tensors (or spans) `read_many(verify=False)` returned (by key) against their
         checksums, on the shared readers (`_part_reads.verify_tensors`): a restore onto an
         accelerator checks a group while its transfers run, and raises before it returns."""
-        jobs = [(self.tensors[name], _bytes_of(array)) for name, array in arrays.items()]
+        jobs = []
+        for key, array in arrays.items():
+            info, _, first = self._span(key)
+            jobs.append((info, _bytes_of(array), first))
         _part_reads.verify_tensors(jobs, self.bad)

@@ -14,6 +14,7 @@ import collections
 import math
 from collections.abc import Callable, Sequence
 from contextlib import closing
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,17 +29,19 @@ else:  # imported on first use: the command line reads headers without JAX
 from ... import _progress
 from ..._tree import weak_like
 from ..format._description import LeafKind
-from . import _pinned, _read_once, _transform
+from ..format._spans import Span, name_of
+from . import _pieces, _pinned, _read_once, _transform
 from ._matched import Match, Slot, cast_on_host
 from ._options import RestoreOptions
-from ._transfer import reads_in_place, windowed_reads
+from ._transfer import GROUPS_PER_WINDOW, reads_in_place, windowed_reads
 from ._window import HostWindow
 
 # Whether a restore onto an accelerator checks a group's checksums while its transfers run
 # (`read_whole`), rather than as it reads it; benchmarks/restore_variants.py compares both.
 CHECK_WHILE_PLACING = True
-# (kind, target leaf, host bytes) -> the placed leaf; and: wait until leaves are placed.
-Place = Callable[[LeafKind, Any, np.ndarray], Any]
+# (kind, target leaf, its value: host bytes, or a tensor joined on its device from pieces)
+# -> the placed leaf; and: wait until leaves are placed.
+Place = Callable[[LeafKind, Any, "np.ndarray | jax.Array"], Any]
 Settle = Callable[[Sequence[Any]], None]
 
 
@@ -66,33 +69,33 @@ def read_whole(
     it fills), a window at a time; returns the problems (a leaf that cannot be placed)."""
     leaves, available = found.leaves, reader.arrays()
     targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
-
-    def nbytes(name: str) -> int:
-        """Held on the host: the saved bytes, any cast copy, and each transform's output
-        (with its cast copy)."""
-        shape, dtype = available[name]
-        held = math.prod(shape) * max(
-            [dtype.itemsize]
-            + [2 * s.cast.itemsize for s in whole[name] if s.cast is not None and not s.transform]
-        )
-        for s in whole[name]:
-            if s.transform is not None and s.dtype is not None:
-                itemsize = s.dtype.itemsize + (s.cast.itemsize if s.cast is not None else 0)
-                held += math.prod(s.shape) * itemsize
-        return held
-
     pinned = _PinnedBlocks(reader, whole, targets)
+    # A tensor larger than one group's share of the window is read in spans, if it can be.
+    pieces = _pieces.Pieces(
+        reader,
+        list(whole),
+        _plain_leaves(whole, targets, set(pinned.arenas)),
+        options.host_window_bytes // GROUPS_PER_WINDOW,
+    )
 
-    def place_all(name: str, array: np.ndarray) -> list[tuple[Slot, Any, str]]:
-        """The leaves saved tensor `name` fills (several when rename ties leaves), or why not."""
-        placed, slots = [], whole[name]
+    def nbytes(unit: str | Span) -> int:
+        return unit.nbytes if isinstance(unit, Span) else _held_bytes(available[unit], whole[unit])
+
+    def place_all(unit: str | Span, array: np.ndarray) -> list[tuple[Slot, Any, str]]:
+        """The leaves saved tensor `unit` fills (several when rename ties leaves), or why not;
+        for a span of one, the piece placed on its device."""
+        placed, slots = [], whole[name_of(unit)]
+        if isinstance(unit, Span):  # one plain array leaf (`_plain_leaves`)
+            host = pinned.unshared(unit, targets[slots[0].index], array)
+            pinned.placed_from(unit, host, piece := pieces.place(unit, host))
+            return [(slots[0], piece, "")]
         for slot in slots:
             try:
-                host = pinned.unshared(name, targets[slot.index], slot.host_array(array))
+                host = pinned.unshared(unit, targets[slot.index], slot.host_array(array))
                 leaf = place(slot.kind, targets[slot.index], host)
-                pinned.placed_from(name, host, leaf)
+                pinned.placed_from(unit, host, leaf)
             except _transform.TransformError as error:
-                placed.append((slot, None, f"'{slot.target}': from saved '{name}': {error}"))
+                placed.append((slot, None, f"'{slot.target}': from saved '{unit}': {error}"))
                 continue
             except ValueError as error:
                 placed.append((slot, None, f"'{slot.target}': {error}"))
@@ -104,8 +107,10 @@ def read_whole(
             placed.append((slot, leaf, ""))
         return placed
 
-    def settle_and_free(group: list[str]) -> None:
-        settle([leaves[s.index] for n in group for s in whole[n]])
+    placed_by: dict[str | Span, list[Any]] = {}  # what each unit read placed, until settled
+
+    def settle_and_free(group: list[str | Span]) -> None:
+        settle([leaf for unit in group for leaf in placed_by.pop(unit, [])])
         pinned.free(group)  # on their devices: the blocks they came from can be reused
 
     # Onto an accelerator, a group's checksums are checked while its transfers run: a
@@ -119,7 +124,7 @@ def read_whole(
         and hasattr(reader, "verify_read")
     )
     reads = windowed_reads(
-        list(whole),
+        pieces.units,
         nbytes,
         lambda group: reader.read_many(
             group,
@@ -136,8 +141,19 @@ def read_whole(
     problems = []
     try:
         with closing(reads):
-            for name, placed in reads:
-                _progress.advance(_saved_bytes(available[name]))
+            for unit, placed in reads:
+                placed_by[unit] = [leaf for _, leaf, problem in placed if not problem]
+                if isinstance(unit, Span):
+                    _progress.advance(unit.nbytes)
+                    ((slot, piece, _),) = placed
+                    placed = []
+                    joined = pieces.add(unit, piece, available[unit.name][0])
+                    if joined is not None:
+                        placed = [
+                            _placed(slot, partial(place, slot.kind, targets[slot.index], joined))
+                        ]
+                else:
+                    _progress.advance(_saved_bytes(available[unit]))
                 for slot, leaf, problem in placed:
                     if problem:
                         problems.append(problem)
@@ -151,16 +167,57 @@ def read_whole(
     return problems
 
 
+def _held_bytes(saved: tuple[tuple[int, ...], np.dtype], slots: list[Slot]) -> int:
+    """The host bytes a saved tensor (`saved`: shape, dtype) filling `slots` is held as:
+    the saved bytes, any cast copy, and each transform's output (with its cast copy)."""
+    shape, dtype = saved
+    held = math.prod(shape) * max(
+        [dtype.itemsize]
+        + [2 * s.cast.itemsize for s in slots if s.cast is not None and not s.transform]
+    )
+    for s in slots:
+        if s.transform is not None and s.dtype is not None:
+            itemsize = s.dtype.itemsize + (s.cast.itemsize if s.cast is not None else 0)
+            held += math.prod(s.shape) * itemsize
+    return held
+
+
+def _plain_leaves(
+    whole: dict[str, list[Slot]], targets: list[Any], pinned: set[str]
+) -> dict[str, Any]:
+    """Saved name -> its target leaf, for each tensor read into a pinned block (`pinned`)
+    that fills one array leaf, neither cast nor transformed: those `_pieces` may read in
+    spans and join on the device."""
+    return {
+        name: targets[slots[0].index]
+        for name, slots in whole.items()
+        if name in pinned
+        and len(slots) == 1
+        and slots[0].kind.name == "array"
+        and slots[0].cast is None
+        and slots[0].transform is None
+    }
+
+
+def _placed(slot: Slot, place: Callable[[], Any]) -> tuple[Slot, Any, str]:
+    """(slot, the leaf `place()` returns, "") or, where it refuses, (slot, None, why)."""
+    try:
+        return slot, place(), ""
+    except ValueError as error:
+        return slot, None, f"'{slot.target}': {error}"
+
+
 class _PinnedBlocks:
-    """The pinned host blocks (`_pinned.Arena`) a `read_whole` reads tensors into: offered
-    for a saved tensor whose every slot places an array on an accelerator, held until the
-    tensor is on its devices. `offer` is the `read_many` keyword (none for a reader that
-    cannot read into given buffers, or where no target has an arena)."""
+    """The pinned host blocks (`_pinned.Arena`) a `read_whole` reads tensors (or spans of
+    them) into: offered for a saved tensor whose every slot places an array on an
+    accelerator, held until the tensor is on its devices. `offer` is the `read_many`
+    keyword (none for a reader that cannot read into given buffers, or where no target
+    has an arena)."""
 
     def __init__(self, reader: Any, whole: dict[str, list[Slot]], targets: list[Any]) -> None:
         self.arenas: dict[str, _pinned.Arena] = {}
-        self.blocks: dict[str, tuple[_pinned.Arena, np.ndarray]] = {}
-        self.leaves: dict[str, list[Any]] = {}  # placed from each block: transfers may run
+        self.blocks: dict[str | Span, tuple[_pinned.Arena, np.ndarray]] = {}
+        self.leaves: dict[str | Span, list[Any]] = {}  # placed from each block: may be in flight
         self.offer: dict[str, Any] = {}
         if not getattr(reader, "reads_into", False):
             return
@@ -174,38 +231,40 @@ class _PinnedBlocks:
         if self.arenas:
             self.offer = {"into": self.allocate}
 
-    def allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-        arena = self.arenas.get(name)
+    def allocate(
+        self, key: str | Span, shape: tuple[int, ...], dtype: np.dtype
+    ) -> np.ndarray | None:
+        arena = self.arenas.get(name_of(key))
         block = None if arena is None else arena.allocate(shape, dtype)
         if arena is not None and block is not None:
-            self.blocks[name] = (arena, block)
+            self.blocks[key] = (arena, block)
         return block
 
-    def unshared(self, name: str, target: Any, host: np.ndarray) -> np.ndarray:
-        """`host` (the bytes of tensor `name` for `target`), copied if it is a block and the
-        target's device would adopt it rather than copy it (a CPU device): the block is
-        reused once freed."""
-        held = self.blocks.get(name)
+    def unshared(self, key: str | Span, target: Any, host: np.ndarray) -> np.ndarray:
+        """`host` (the bytes of tensor or span `key` for `target`), copied if it is a block
+        and the target's device would adopt it rather than copy it (a CPU device): the
+        block is reused once freed."""
+        held = self.blocks.get(key)
         if held is None or not np.may_share_memory(host, held[1]):
             return host
         device = _pinned.target_device(target)
         return host.copy() if device is None or reads_in_place(device.platform) else host
 
-    def placed_from(self, name: str, host: np.ndarray, leaf: Any) -> None:
-        """Records `leaf`, placed from `host` (the bytes of tensor `name`), where `host` is
-        in a block: `free` waits for its transfer."""
-        held = self.blocks.get(name)
+    def placed_from(self, key: str | Span, host: np.ndarray, leaf: Any) -> None:
+        """Records `leaf`, placed from `host` (the bytes of tensor or span `key`), where `host`
+        is in a block: `free` waits for its transfer."""
+        held = self.blocks.get(key)
         if held is not None and np.may_share_memory(host, held[1]):
-            self.leaves.setdefault(name, []).append(leaf)
+            self.leaves.setdefault(key, []).append(leaf)
 
-    def free(self, names: list[str]) -> None:
-        """Frees the blocks of tensors `names` once the transfers from them are over: after
-        an error, leaves placed but never settled may still be reading their blocks, which
-        the next restore would overwrite (or `_pinned.release` unmap) under them."""
-        for name in names:
-            if (held := self.blocks.pop(name, None)) is not None:
+    def free(self, keys: list[str | Span]) -> None:
+        """Frees the blocks of tensors or spans `keys` once the transfers from them are over:
+        after an error, leaves placed but never settled may still be reading their blocks,
+        which the next restore would overwrite (or `_pinned.release` unmap) under them."""
+        for key in keys:
+            if (held := self.blocks.pop(key, None)) is not None:
                 try:
-                    jax.block_until_ready(self.leaves.pop(name, []))
+                    jax.block_until_ready(self.leaves.pop(key, []))
                 except Exception:  # a transfer that failed is over too
                     pass
                 held[0].free(held[1])

@@ -269,9 +269,10 @@ def _restore_from(reader: Reader, target: Any, options: RestoreOptions) -> Any:
     return jtu.tree_unflatten(found.treedef, found.leaves)
 
 
-def place(kind: LeafKind, target: Any, array: np.ndarray) -> Any:
-    """The restored leaf for `target` from its host bytes `array`: on the target's devices
-    for an array target. The transfer is started, not waited for; `settle_placed` waits.
+def place(kind: LeafKind, target: Any, array: np.ndarray | jax.Array) -> Any:
+    """The restored leaf for `target` from its host bytes `array` (or, for a tensor read in
+    pieces, the pieces joined on the target's device): on the target's devices for an
+    array target. The transfer is started, not waited for; `settle_placed` waits.
     Called by the restore's reader threads, several at once.
     (Raises `ValueError` if `array` cannot fill `target`.)"""
     with stage("place"):

@@ -19,10 +19,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -31,7 +31,8 @@ from ..format._part_reads import wait_started, wait_through_interrupts
 from ._window import Cancelled, HostWindow, add_stage, current_window, timing
 
 # A restore reads up to this many groups of leaves at once, each a share of the window.
-_GROUPS_PER_WINDOW = 4
+GROUPS_PER_WINDOW = 4
+K = TypeVar("K", bound=Hashable)  # what `windowed_reads` reads: a tensor's name, a span
 
 if TYPE_CHECKING:
     import jax
@@ -233,14 +234,14 @@ def group_taken() -> None:
 
 
 def windowed_reads(
-    names: Sequence[str],
-    nbytes: Callable[[str], int],
-    read_many: Callable[[list[str]], dict[str, np.ndarray]],
+    names: Sequence[K],
+    nbytes: Callable[[K], int],
+    read_many: Callable[[list[K]], dict[K, np.ndarray]],
     window: HostWindow,
-    settle: Callable[[list[str]], None],
-    place: Callable[[str, np.ndarray], Any],
-    check: Callable[[dict[str, np.ndarray]], None] | None = None,
-) -> Generator[tuple[str, Any], None, None]:
+    settle: Callable[[list[K]], None],
+    place: Callable[[K, np.ndarray], Any],
+    check: Callable[[dict[K, np.ndarray]], None] | None = None,
+) -> Generator[tuple[K, Any], None, None]:
     """`(name, place(name, host array))` for every name, in order, read in groups of at most
     a quarter of the window (at least one leaf each): background threads read (and verify)
     several groups at once while they fit in the window, and each thread places its group's
@@ -259,21 +260,21 @@ def windowed_reads(
     belongs to this call alone): the reader threads stop, even while waiting for room, and
     every byte still held is released before the generator finishes.
     """
-    groups: list[list[str]] = []
+    groups: list[list[K]] = []
     size = 0
     for name in names:
-        if not groups or (size + nbytes(name) > window.limit // _GROUPS_PER_WINDOW and groups[-1]):
+        if not groups or (size + nbytes(name) > window.limit // GROUPS_PER_WINDOW and groups[-1]):
             groups.append([])
             size = 0
         groups[-1].append(name)
         size += nbytes(name)
     done = queue.SimpleQueue()  # (group, pending read, bytes), then None; or an exception
-    reads = ThreadPoolExecutor(_GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
+    reads = ThreadPoolExecutor(GROUPS_PER_WINDOW, thread_name_prefix="eqx_train-restore-read")
     submitted: list[Future[Any]] = []
     submitting = Lock()  # (imported by name: tests swap the module `threading` here)
     settings = callers_jax_settings()
 
-    def read_and_place(group: list[str]) -> dict[str, Any]:
+    def read_and_place(group: list[K]) -> dict[K, Any]:
         arrays = read_many(group)
         read = dict(arrays) if check is not None else {}
         try:
