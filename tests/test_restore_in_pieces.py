@@ -25,7 +25,7 @@ from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.checkpoints.format import _checksums
 from eqx_train.checkpoints.format._reader import FileReader
 from eqx_train.checkpoints.format._spans import Span
-from eqx_train.checkpoints.pipeline import _pinned, _read, _restore, _transfer, _window
+from eqx_train.checkpoints.pipeline import _pieces, _pinned, _read, _restore, _transfer, _window
 
 pytestmark = pytest.mark.usefixtures("interruptible")
 
@@ -137,6 +137,94 @@ def test_a_leaf_read_in_spans_is_placed_exactly_as_one_read_whole(tmp_path, piec
     assert in_pieces["weakly typed"].weak_type
     assert in_pieces["committed to device 3"].committed
     assert not in_pieces["uncommitted on device 5"].committed
+
+
+MESHES = {
+    "jax.set_mesh": lambda mesh: jax.set_mesh(mesh),
+    "use_abstract_mesh": lambda mesh: jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+}
+
+
+@pytest.mark.parametrize("context", MESHES.values(), ids=MESHES.keys())
+def test_a_mesh_the_caller_set_does_not_move_a_leaf_read_in_spans(
+    tmp_path, pieces, monkeypatch, context
+):
+    """The pieces are joined on the leaf's own device: under a mesh of every device, the
+    join would otherwise follow the mesh (onto all of them) or fail to lower."""
+    value = jnp.arange(WINDOW // 4, dtype=jnp.float32)
+    checkpoints.save_checkpoint(tmp_path, {"u": value, "c": value}, 0)
+    target = {"u": jnp.zeros_like(value), "c": jax.device_put(value * 0, jax.devices()[3])}
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with context(mesh):
+        in_spans = _restore_into(tmp_path, target)
+    assert len(_spans(pieces, "u")) == 4
+    monkeypatch.setattr(FileReader, "spans", lambda self, name, max_bytes: None)
+    with context(mesh):
+        whole = _restore_into(tmp_path, target)
+    for name in target:
+        a, b = in_spans[name], whole[name]
+        assert np.array_equal(np.asarray(a), np.asarray(value))
+        assert (
+            (a.sharding, a.committed)
+            == (b.sharding, b.committed)
+            == (
+                target[name].sharding,
+                target[name].committed,
+            )
+        )
+
+
+def test_a_window_larger_than_the_arena_makes_spans_the_arena_holds(tmp_path, pieces, monkeypatch):
+    """Spans of a quarter of the window would each miss the arena, and be sent from pageable
+    memory: they take a quarter of the arena instead. (A window larger than the arena keeps
+    more bytes in flight than it holds: those past it are read into buffers of their own,
+    as whole tensors are.)"""
+    monkeypatch.setattr(_pinned, "ARENA_BYTES", WINDOW // 2)
+    handed: list[bool] = []
+    allocate = _pinned.Arena.allocate
+    monkeypatch.setattr(
+        _pinned.Arena,
+        "allocate",
+        lambda self, *a: handed.append((block := allocate(self, *a)) is not None) or block,
+    )
+    value = jnp.arange(WINDOW // 4, dtype=jnp.float32)
+    checkpoints.save_checkpoint(tmp_path, {"w": value}, 0)
+    restored = checkpoints.restore_checkpoint(
+        tmp_path, {"w": jnp.zeros_like(value)}, host_window_bytes=4 * WINDOW
+    )
+    assert np.array_equal(np.asarray(restored["w"]), np.asarray(value))
+    assert {s.nbytes for s in _spans(pieces, "w")} == {WINDOW // 8}
+    assert handed[:4] == [True] * 4
+
+
+def test_a_tensor_the_device_has_no_room_to_join_is_read_whole(tmp_path, pieces, monkeypatch):
+    monkeypatch.setattr(_pieces, "_room_to_join", lambda device, nbytes: False)
+    _round_trip_of_one_leaf(tmp_path)
+    assert pieces == ["w"]
+
+
+class _Device:
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+
+    def memory_stats(self) -> Any:
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+@pytest.mark.parametrize(
+    "stats, room",
+    [
+        ({"bytes_limit": 1000, "bytes_in_use": 800}, True),  # 200 free: twice 100
+        ({"bytes_limit": 1000, "bytes_in_use": 801}, False),
+        (None, True),  # no statistics (a CPU): as it was
+        ({}, True),
+        (NotImplementedError("no stats"), True),
+    ],
+)
+def test_room_to_join_is_twice_the_tensor_where_the_device_says(stats, room):
+    assert _pieces._room_to_join(_Device(stats), 100) is room
 
 
 @pytest.mark.parametrize("in_spans", [True, False], ids=["in spans", "whole (planted)"])

@@ -13,9 +13,9 @@ stream: the calling thread computes it over parts of `PART_BYTES`, in order, as 
 arrive (at one core's speed, which bounds such a tensor's restore). Only a tensor in memory
 is cut, though: one still on the disk (the source says, `LocalSource.cached`) is read
 whole, front to back, the order a disk's readahead serves fastest. A span of a tensor's
-parts (`_arrays.Span`: a restore onto an accelerator reads a tensor as large as its window
-span by span) is read as the parts of a tensor are, each verified against its own part's
-digest, in order by one reader where it is on the disk.
+parts (`_spans.Span`: a restore onto an accelerator reads a tensor larger than a quarter of
+its window span by span) is read as the parts of a tensor are, each verified against its
+own part's digest, in order by one reader where it is on the disk.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def split(
 
 
 def spans(info: Any, max_bytes: int) -> list[Span] | None:
-    """Tensor `info` as consecutive spans of its parts, each of at most `max_bytes` (but at
-    least one part) and of whole elements; None where it has no parts (a file before format
+    """Tensor `info` as consecutive spans of its parts, each of whole elements and of at most
+    `max_bytes`, but at least the fewest parts that end on an element (one, unless a
+    crafted part size splits elements); None where it has no parts (a file before format
     version 3, a tensor of one part) or would be one span."""
     if not isinstance(info.checksum, Parts):
         return None

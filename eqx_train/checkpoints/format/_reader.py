@@ -343,10 +343,11 @@ class FileReader(ReaderBase):
 
     def spans(self, name: str, max_bytes: int) -> list[Span] | None:
         """Tensor `name` as spans of its parts for `read_many` (`_part_reads.spans`): a
-        restore reads and places a tensor as large as its window span by span."""
+        restore onto an accelerator reads and places a tensor larger than a quarter of its
+        window span by span."""
         return _part_reads.spans(self.tensors[name], max_bytes)
 
-    def _span(self, key: str | Span) -> tuple[TensorInfo, tuple[int, ...], int | None]:
+    def _key_info(self, key: str | Span) -> tuple[TensorInfo, tuple[int, ...], int | None]:
         """The tensor a key of `read_many` reads from, the shape it is read as, and the
         index of its first part (None: the whole tensor)."""
         info = self.tensors[name_of(key)]
@@ -369,7 +370,7 @@ class FileReader(ReaderBase):
         by several threads when they are large (`_part_reads`). `into(key, shape, dtype)`,
         if given, offers the buffer a tensor is read into (a pinned host buffer, see
         `pipeline._pinned`); where it gives None, the tensor gets a buffer of its own."""
-        spans = [self._span(key) for key in names]
+        spans = [self._key_info(key) for key in names]
         outs = [
             buffer_for(key, shape, info.dtype, into)
             for key, (info, shape, _) in zip(names, spans, strict=True)
@@ -408,6 +409,6 @@ class FileReader(ReaderBase):
         accelerator checks a group while its transfers run, and raises before it returns."""
         jobs = []
         for key, array in arrays.items():
-            info, _, first = self._span(key)
+            info, _, first = self._key_info(key)
             jobs.append((info, _bytes_of(array), first))
         _part_reads.verify_tensors(jobs, self.bad)

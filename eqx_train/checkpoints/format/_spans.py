@@ -1,5 +1,6 @@
-"""A span of a tensor's parts: what a restore reads of a tensor as large as its window at
-once (`FileReader.spans`, `_part_reads.spans`), and how errors name it."""
+"""A span of a tensor's parts: what a restore onto an accelerator reads at once of a tensor
+larger than a quarter of its window (`FileReader.spans`, `_part_reads.spans`), and how
+errors name it."""
 
 from __future__ import annotations
 

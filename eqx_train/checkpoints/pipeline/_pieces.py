@@ -20,8 +20,9 @@ goes to several devices from one host buffer, which pieces would route through o
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,46 +46,46 @@ class Pieces:
     or its spans in order."""
 
     def __init__(
-        self, reader: Any, names: Sequence[str], candidates: dict[str, Any], share: int
+        self, reader: Any, names: Sequence[str], candidates: dict[str, tuple[Any, int]]
     ) -> None:
         """Arguments: the restore's `reader`; the saved `names` it reads whole, in order;
-        `candidates`, saved name -> the one target leaf it fills, for those read into a
-        pinned block with neither cast nor transform; and `share`, the most bytes of one
-        span."""
+        `candidates`, saved name -> (the one target leaf it fills, the most bytes of one of
+        its spans), for those read into a pinned block with neither cast nor transform."""
         self.units: list[str | Span] = []
-        self.devices: dict[str, Any] = {}  # saved name -> the one device its leaf is on
-        self.arrived: dict[str, list[Any]] = {}
+        self._devices: dict[str, Any] = {}  # saved name -> the one device its leaf is on
+        self._arrived: dict[str, list[Any]] = {}
         self._count: dict[str, int] = {}
         spans_of = getattr(reader, "spans", None)
         for name in names:
             spans, device = None, None
             if spans_of is not None and name in candidates:
-                device = _one_device(candidates[name])
-                spans = None if device is None else spans_of(name, share)
-            if spans is None:
+                target, most = candidates[name]
+                device = _one_device(target)
+                spans = None if device is None else spans_of(name, most)
+            if spans is None or not _room_to_join(device, sum(s.nbytes for s in spans)):
                 self.units.append(name)
                 continue
             self.units.extend(spans)
-            self.devices[name] = device
+            self._devices[name] = device
             self._count[name] = len(spans)
-            self.arrived[name] = []
+            self._arrived[name] = []
 
     def place(self, span: Span, host: np.ndarray) -> jax.Array:
         """Starts the transfer of `span`'s bytes `host` to its tensor's device: a piece,
         uncommitted there (as the pieces' join will be)."""
-        with jax.default_device(self.devices[span.name]):
+        with _on(self._devices[span.name]):
             return jax.device_put(host)
 
     def add(self, span: Span, piece: jax.Array, shape: tuple[int, ...]) -> jax.Array | None:
         """Keeps `piece` (span `span`'s, in order); once its tensor's last piece is in, returns
         the pieces joined on the device as the tensor, of `shape`."""
-        pieces = self.arrived[span.name]
+        pieces = self._arrived[span.name]
         pieces.append(piece)
         if len(pieces) < self._count[span.name]:
             return None
-        del self.arrived[span.name]
-        with jax.default_device(self.devices[span.name]):
-            return _join(tuple(pieces), shape)
+        del self._arrived[span.name]
+        with _on(self._devices[span.name]):
+            return _joiner()(tuple(pieces), shape)
 
 
 @functools.cache
@@ -93,8 +94,31 @@ def _joiner() -> Any:
     return jax.jit(lambda pieces, shape: jnp.concatenate(pieces).reshape(shape), static_argnums=1)
 
 
-def _join(pieces: tuple[jax.Array, ...], shape: tuple[int, ...]) -> jax.Array:
-    return _joiner()(pieces, shape)
+@contextlib.contextmanager
+def _on(device: Any) -> Iterator[None]:
+    """Computations and placements on `device` alone, whatever mesh the caller set
+    (`jax.set_mesh`, `jax.sharding.use_abstract_mesh`: the join would otherwise follow it,
+    onto every device of the mesh, or fail to lower for an abstract one)."""
+    no_mesh = jax.sharding.Mesh(np.empty((), dtype=object), ())
+    with (
+        jax.set_mesh(no_mesh),
+        jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())),
+        jax.default_device(device),
+    ):
+        yield
+
+
+def _room_to_join(device: Any, nbytes: int) -> bool:
+    """Whether `device` has room for a tensor of `nbytes` twice (its pieces, and them
+    joined) where its runtime says how much memory it has; else the tensor is read whole
+    (once on the device)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a runtime that keeps no statistics
+        stats = {}
+    if "bytes_limit" not in stats or "bytes_in_use" not in stats:
+        return True
+    return stats["bytes_limit"] - stats["bytes_in_use"] >= 2 * nbytes
 
 
 def _one_device(target: Any) -> Any | None:

@@ -72,10 +72,7 @@ def read_whole(
     pinned = _PinnedBlocks(reader, whole, targets)
     # A tensor larger than one group's share of the window is read in spans, if it can be.
     pieces = _pieces.Pieces(
-        reader,
-        list(whole),
-        _plain_leaves(whole, targets, set(pinned.arenas)),
-        options.host_window_bytes // GROUPS_PER_WINDOW,
+        reader, list(whole), _plain_leaves(whole, targets, pinned.arenas, options)
     )
 
     def nbytes(unit: str | Span) -> int:
@@ -183,15 +180,22 @@ def _held_bytes(saved: tuple[tuple[int, ...], np.dtype], slots: list[Slot]) -> i
 
 
 def _plain_leaves(
-    whole: dict[str, list[Slot]], targets: list[Any], pinned: set[str]
-) -> dict[str, Any]:
-    """Saved name -> its target leaf, for each tensor read into a pinned block (`pinned`)
-    that fills one array leaf, neither cast nor transformed: those `_pieces` may read in
-    spans and join on the device."""
+    whole: dict[str, list[Slot]],
+    targets: list[Any],
+    arenas: dict[str, _pinned.Arena],
+    options: RestoreOptions,
+) -> dict[str, tuple[Any, int]]:
+    """Saved name -> (its target leaf, the most bytes of one of its spans), for each tensor
+    read into a pinned block that fills one array leaf, neither cast nor transformed:
+    those `_pieces` may read in spans and join on the device. A span takes at most one
+    group's share of the window, and of the arena (each is read into a block of it)."""
     return {
-        name: targets[slots[0].index]
+        name: (
+            targets[slots[0].index],
+            min(options.host_window_bytes, arenas[name].nbytes) // GROUPS_PER_WINDOW,
+        )
         for name, slots in whole.items()
-        if name in pinned
+        if name in arenas
         and len(slots) == 1
         and slots[0].kind.name == "array"
         and slots[0].cast is None

@@ -242,8 +242,9 @@ def windowed_reads(
     place: Callable[[K, np.ndarray], Any],
     check: Callable[[dict[K, np.ndarray]], None] | None = None,
 ) -> Generator[tuple[K, Any], None, None]:
-    """`(name, place(name, host array))` for every name, in order, read in groups of at most
-    a quarter of the window (at least one leaf each): background threads read (and verify)
+    """`(name, place(name, host array))` for every name (a saved tensor's, or any key
+    `read_many` reads, such as a span of one), in order, read in groups of at most a
+    quarter of the window (at least one leaf each): background threads read (and verify)
     several groups at once while they fit in the window, and each thread places its group's
     leaves on their devices as soon as the group is read. A host-to-device copy from
     pageable memory is a memcpy on the calling thread, so placing in one thread would make
