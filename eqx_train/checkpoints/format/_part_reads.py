@@ -151,8 +151,10 @@ def read_tensors(
             has_parts = isinstance(info.checksum, Parts)
             size = info.checksum.size if has_parts and (verify or first is not None) else None
             offset = info.start + (first or 0) * (size or 0)
-            in_memory = cached is None or cached(offset, len(view))
-            if first is None and not (info.nbytes > max(SPLIT_BYTES, size or 0) and in_memory):
+            large = first is not None or info.nbytes > max(SPLIT_BYTES, size or 0)
+            # Asked only of a tensor that may be cut (two reads that refuse to wait, each).
+            in_memory = large and (cached is None or cached(offset, len(view)))
+            if first is None and not in_memory:
                 cut.append(None)
                 pending.append(pool.submit(fill, info, out, verify))
                 continue
