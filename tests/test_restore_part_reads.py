@@ -109,6 +109,9 @@ def test_a_tensor_still_on_the_disk_is_read_whole_front_to_back(tmp_path, parts,
     assert f32_reads[0] == 0 and len(f32_reads) < f32_bytes // PART
     start, nbytes = _tensor(path, "i8")  # in memory: in parts as before
     assert len([o for _, o, _ in parts if start <= o < start + nbytes]) == -(-nbytes // PART)
+    # Asked only of the tensors that may be cut: each question costs two reads.
+    assert _tensor(path, "small") not in asked
+    assert all(length > 2 * PART for _, length in asked)
 
 
 def _file_system(path: Any) -> str:
