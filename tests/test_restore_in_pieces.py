@@ -139,6 +139,38 @@ def test_a_leaf_read_in_spans_is_placed_exactly_as_one_read_whole(tmp_path, piec
     assert not in_pieces["uncommitted on device 5"].committed
 
 
+def test_the_join_of_a_tensor_shape_is_compiled_before_its_spans_are_read(
+    tmp_path, pieces, monkeypatch
+):
+    """Compiled ahead, on a thread of its own, from the restore's start: the join that runs
+    once the last span is in finds it compiled (no compilation of its own)."""
+    monkeypatch.setattr(_pieces._Join, "_made", {})
+    events: list[str] = []
+    read_many, of = FileReader.read_many, _pieces._Join.of.__func__
+
+    def joining(cls, *args):
+        events.append("join made")
+        return of(cls, *args)
+
+    def reading(self, names, **kwargs):
+        events.append("read")
+        return read_many(self, names, **kwargs)
+
+    monkeypatch.setattr(_pieces._Join, "of", classmethod(joining))
+    monkeypatch.setattr(FileReader, "read_many", reading)
+    value = jax.random.normal(jax.random.key(1), (256, 1000))  # a shape no other test joins
+    checkpoints.save_checkpoint(tmp_path, {"w": value}, 0)
+    compiled = _pieces._joiner()._cache_size()
+    restored = _restore_into(tmp_path, {"w": jnp.zeros_like(value)})
+    assert np.array_equal(np.asarray(restored["w"]), np.asarray(value))
+    assert events[0] == "join made" and events.count("join made") == 1
+    (join,) = _pieces._Join._made.values()
+    assert join.compiled.is_set()
+    assert _pieces._joiner()._cache_size() == compiled + 1  # the one compiled ahead
+    _restore_into(tmp_path, {"w": jnp.zeros_like(value)})
+    assert len(_pieces._Join._made) == 1  # once per kind of tensor in a process
+
+
 MESHES = {
     "jax.set_mesh": lambda mesh: jax.set_mesh(mesh),
     "use_abstract_mesh": lambda mesh: jax.sharding.use_abstract_mesh(mesh.abstract_mesh),

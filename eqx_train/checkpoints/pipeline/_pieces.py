@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +57,9 @@ class Pieces:
         self._devices: dict[str, Any] = {}  # saved name -> the one device its leaf is on
         self._arrived: dict[str, list[Any]] = {}
         self._count: dict[str, int] = {}
+        self._joins: dict[str, _Join] = {}
         spans_of = getattr(reader, "spans", None)
+        available = reader.arrays() if candidates and spans_of is not None else {}
         for name in names:
             spans, device = None, None
             if spans_of is not None and name in candidates:
@@ -69,6 +73,9 @@ class Pieces:
             self._devices[name] = device
             self._count[name] = len(spans)
             self._arrived[name] = []
+            shape, dtype = available[name]
+            sizes = tuple(s.nbytes // dtype.itemsize for s in spans)
+            self._joins[name] = _Join.of(sizes, dtype, tuple(shape), device)
 
     def place(self, span: Span, host: np.ndarray) -> jax.Array:
         """Starts the transfer of `span`'s bytes `host` to its tensor's device: a piece,
@@ -84,6 +91,7 @@ class Pieces:
         if len(pieces) < self._count[span.name]:
             return None
         del self._arrived[span.name]
+        self._joins[span.name].compiled.wait()
         with _on(self._devices[span.name]):
             return _joiner()(tuple(pieces), shape)
 
@@ -92,6 +100,47 @@ class Pieces:
 def _joiner() -> Any:
     # One compilation per tensor shape (the leaves of a model repeat a few shapes).
     return jax.jit(lambda pieces, shape: jnp.concatenate(pieces).reshape(shape), static_argnums=1)
+
+
+class _Join:
+    """The join of one kind of tensor (its pieces' lengths, dtype, shape and device),
+    compiled ahead by a thread of its own as soon as a restore knows it will need it, so
+    that the compilation (a large part of a restore of a second or less) runs while the
+    first spans are read rather than after the last one arrives. Made once per kind in a
+    process (`of`): the compiled join stays in `jax.jit`'s cache."""
+
+    _lock = threading.Lock()
+    _made: dict[tuple[Any, ...], _Join] = {}
+
+    def __init__(
+        self, sizes: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...], device: Any
+    ):
+        self.compiled = threading.Event()
+        x64 = jax.enable_x64.value  # the caller's: a thread starts without it
+
+        def compile_join() -> None:
+            try:
+                pieces = tuple(jax.ShapeDtypeStruct((n,), dtype) for n in sizes)
+                with jax.enable_x64(x64), _on(device):
+                    _joiner().lower(pieces, shape).compile()
+            except Exception:  # the join compiles (and fails, if it must) when it runs
+                pass
+            finally:
+                self.compiled.set()
+
+        name = "eqx_train-restore-join"
+        threading.Thread(target=compile_join, name=name, daemon=True).start()
+
+    @classmethod
+    def of(
+        cls, sizes: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...], device: Any
+    ) -> _Join:
+        # (A forked child compiles its own: the parent's thread does not run in it.)
+        key = (sizes, dtype, shape, device, jax.enable_x64.value, os.getpid())
+        with cls._lock:
+            if key not in cls._made:
+                cls._made[key] = cls(sizes, dtype, shape, device)
+            return cls._made[key]
 
 
 @contextlib.contextmanager
