@@ -230,7 +230,15 @@ def test_a_window_larger_than_the_arena_makes_spans_the_arena_holds(tmp_path, pi
 
 
 def test_a_tensor_the_device_has_no_room_to_join_is_read_whole(tmp_path, pieces, monkeypatch):
-    monkeypatch.setattr(_pieces, "_room_to_join", lambda device, nbytes: False)
+    monkeypatch.setattr(_pieces._Room, "to_join", lambda self, device, nbytes: False)
+    _round_trip_of_one_leaf(tmp_path)
+    assert pieces == ["w"]
+
+
+def test_a_part_larger_than_a_quarter_of_the_arena_makes_no_spans(tmp_path, pieces, monkeypatch):
+    """A span of one such part could not come from the arena: the tensor would be held
+    twice on the device for nothing."""
+    monkeypatch.setattr(_pinned, "ARENA_BYTES", 3 * PART)
     _round_trip_of_one_leaf(tmp_path)
     assert pieces == ["w"]
 
@@ -256,7 +264,36 @@ class _Device:
     ],
 )
 def test_room_to_join_is_twice_the_tensor_where_the_device_says(stats, room):
-    assert _pieces._room_to_join(_Device(stats), 100) is room
+    assert _pieces._Room().to_join(_Device(stats), 100) is room
+
+
+def test_room_to_join_counts_what_the_restore_places_before():
+    """A state that fits the device read whole must fit it in spans: the tensors placed
+    before one count against its room, on their own device only."""
+    device, other = _Device({"bytes_limit": 1000, "bytes_in_use": 0}), _Device(None)
+    room = _pieces._Room()
+    assert room.to_join(device, 500)
+    room.placed(device, 500)
+    room.placed(other, 10**9)
+    assert room.to_join(device, 250)
+    room.placed(device, 250)
+    assert not room.to_join(device, 200)  # 250 free, 400 needed
+    assert room.to_join(other, 10**12)
+
+
+def test_a_restore_that_would_fill_the_device_reads_its_last_tensors_whole(
+    tmp_path, pieces, monkeypatch
+):
+    """Three tensors of 1 MiB on a device with 3.5 MiB free: the first two fit twice
+    beside what comes before them, the third (1.5 MiB left, 2 needed) does not."""
+    monkeypatch.setattr(_pieces, "_free_bytes", lambda device: 7 * WINDOW // 2)
+    state = {f"w{i}": jnp.full(WINDOW // 4, i, jnp.float32) for i in range(3)}
+    checkpoints.save_checkpoint(tmp_path, state, 0)
+    restored = _restore_into(tmp_path, jax.tree.map(jnp.zeros_like, state))
+    for name in state:
+        assert np.array_equal(np.asarray(restored[name]), np.asarray(state[name]))
+    assert [bool(_spans(pieces, n)) for n in state] == [True, True, False]
+    assert "w2" in pieces
 
 
 @pytest.mark.parametrize("in_spans", [True, False], ids=["in spans", "whole (planted)"])

@@ -14,8 +14,9 @@ arrive (at one core's speed, which bounds such a tensor's restore). Only a tenso
 is cut, though: one still on the disk (the source says, `LocalSource.cached`) is read
 whole, front to back, the order a disk's readahead serves fastest. A span of a tensor's
 parts (`_spans.Span`: a restore onto an accelerator reads a tensor larger than a quarter of
-its window span by span) is read as the parts of a tensor are, each verified against its
-own part's digest, in order by one reader where it is on the disk.
+its window, or of its pinned arena, span by span) is read as the parts of a tensor are,
+each verified against its own part's digest, in order by one reader where it is on the
+disk.
 """
 
 from __future__ import annotations

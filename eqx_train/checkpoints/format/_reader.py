@@ -344,7 +344,7 @@ class FileReader(ReaderBase):
     def spans(self, name: str, max_bytes: int) -> list[Span] | None:
         """Tensor `name` as spans of its parts for `read_many` (`_part_reads.spans`): a
         restore onto an accelerator reads and places a tensor larger than a quarter of its
-        window span by span."""
+        window (or of the pinned arena) span by span."""
         return _part_reads.spans(self.tensors[name], max_bytes)
 
     def _key_info(self, key: str | Span) -> tuple[TensorInfo, tuple[int, ...], int | None]:
@@ -386,7 +386,8 @@ class FileReader(ReaderBase):
                 [(view, _offset(info, first)) for info, _, view, first in jobs if len(view)]
             )
             if verify:
-                _part_reads.verify_tensors([(i, v, f) for i, _, v, f in jobs], self.bad)
+                checks = [(i, v, f) for i, _, v, f in jobs]
+                _part_reads.verify_tensors(checks, self.bad, parallel=parallel)
         elif parallel and sum(len(view) for view in views) >= _PARALLEL_MIN_BYTES:
             cached = getattr(self.source, "cached", None)
             _part_reads.read_tensors(

@@ -1,6 +1,6 @@
 """A span of a tensor's parts: what a restore onto an accelerator reads at once of a tensor
-larger than a quarter of its window (`FileReader.spans`, `_part_reads.spans`), and how
-errors name it."""
+larger than a quarter of its window or of the pinned arena (`FileReader.spans`,
+`_part_reads.spans`), and how errors name it."""
 
 from __future__ import annotations
 

@@ -7,21 +7,24 @@ only then followed by the next one, which waits for the room: reading and transf
 which overlap for smaller tensors, take turns, and an 8 GiB state of 256 MiB leaves
 restores at the sum of their speeds rather than the slower one's.
 
-So a tensor larger than a quarter of the window (the share of one group of
-`_transfer.windowed_reads`) whose checksum is in parts (format version 3) is read as
-spans of its parts (`FileReader.spans`), each a flat array of a quarter of the window at
-most: each span is read (each part verified by its reader, as for a whole tensor), sent
-to the device and its block freed on its own, the next spans read meanwhile; the pieces
-are joined on the device (one concatenation there, at the device memory's speed), then
-placed as the target leaf is (`place`). Only a leaf that one device holds whole, with no
-cast or transform, taken by one target leaf, is read in pieces: a sharded leaf's transfer
-goes to several devices from one host buffer, which pieces would route through one.
+So a tensor larger than a quarter of the window or of the arena, whichever is smaller (the
+share of one group of `_transfer.windowed_reads`), whose checksum is in parts (format
+version 3), is read as spans of its parts (`FileReader.spans`), each a flat array of at most
+that share (but at least one part): each span is read (each part verified by its reader, as
+for a whole tensor), sent to the device and its block freed on its own, the next spans read
+meanwhile; the pieces are joined on the device (one concatenation there, at the device
+memory's speed), then placed as the target leaf is (`place`). Only a leaf that one device
+holds whole, with no cast or transform, taken by one target leaf, is read in pieces: a
+sharded leaf's transfer goes to several devices from one host buffer, which pieces would
+route through one. A device that reports too little free memory to hold a tensor twice
+(its pieces, then them joined) beside what the restore places before it gets it whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -48,11 +51,12 @@ class Pieces:
     or its spans in order."""
 
     def __init__(
-        self, reader: Any, names: Sequence[str], candidates: dict[str, tuple[Any, int]]
+        self, reader: Any, names: Sequence[str], candidates: dict[str, tuple[Any, int, int]]
     ) -> None:
         """Arguments: the restore's `reader`; the saved `names` it reads whole, in order;
         `candidates`, saved name -> (the one target leaf it fills, the most bytes of one of
-        its spans), for those read into a pinned block with neither cast nor transform."""
+        its spans, the most a span may have to be read into the pinned arena), for those
+        read into a pinned block with neither cast nor transform."""
         self.units: list[str | Span] = []
         self._devices: dict[str, Any] = {}  # saved name -> the one device its leaf is on
         self._arrived: dict[str, list[Any]] = {}
@@ -60,13 +64,21 @@ class Pieces:
         self._joins: dict[str, _Join] = {}
         spans_of = getattr(reader, "spans", None)
         available = reader.arrays() if candidates and spans_of is not None else {}
+        room = _Room()
         for name in names:
             spans, device = None, None
             if spans_of is not None and name in candidates:
-                target, most = candidates[name]
+                target, most, fits = candidates[name]
                 device = _one_device(target)
                 spans = None if device is None else spans_of(name, most)
-            if spans is None or not _room_to_join(device, sum(s.nbytes for s in spans)):
+                if spans is not None and max(s.nbytes for s in spans) > fits:
+                    spans = None  # no span would come from the arena: nothing to gain
+            if device is not None:
+                nbytes = math.prod(available[name][0]) * available[name][1].itemsize
+                if spans is not None and not room.to_join(device, nbytes):
+                    spans = None
+                room.placed(device, nbytes)
+            if spans is None:
                 self.units.append(name)
                 continue
             self.units.extend(spans)
@@ -104,25 +116,29 @@ def _joiner() -> Any:
 
 class _Join:
     """The join of one kind of tensor (its pieces' lengths, dtype, shape and device),
-    compiled ahead by a thread of its own as soon as a restore knows it will need it, so
-    that the compilation (a large part of a restore of a second or less) runs while the
-    first spans are read rather than after the last one arrives. Made once per kind in a
-    process (`of`): the compiled join stays in `jax.jit`'s cache."""
+    compiled ahead as soon as a restore knows it will need it, so that the compilation (a
+    large part of a restore of a second or less) runs while the first spans are read
+    rather than after the last one arrives. Made once per kind in a process (`of`): the
+    compiled join stays in `jax.jit`'s cache. One compilation runs at a time in a process,
+    in the order the joins were asked for (beside the reads, not in their way)."""
 
     _lock = threading.Lock()
     _made: dict[tuple[Any, ...], _Join] = {}
+    _turns: dict[int, threading.Lock] = {}  # process id -> one compilation at a time
 
     def __init__(
         self, sizes: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...], device: Any
     ):
         self.compiled = threading.Event()
         x64 = jax.enable_x64.value  # the caller's: a thread starts without it
+        join = _joiner()  # made here, under `_lock`: each thread compiles into the one cache
+        turn = _Join._turns.setdefault(os.getpid(), threading.Lock())
 
         def compile_join() -> None:
             try:
                 pieces = tuple(jax.ShapeDtypeStruct((n,), dtype) for n in sizes)
-                with jax.enable_x64(x64), _on(device):
-                    _joiner().lower(pieces, shape).compile()
+                with turn, jax.enable_x64(x64), _on(device):
+                    join.lower(pieces, shape).compile()
             except Exception:  # the join compiles (and fails, if it must) when it runs
                 pass
             finally:
@@ -135,7 +151,7 @@ class _Join:
     def of(
         cls, sizes: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...], device: Any
     ) -> _Join:
-        # (A forked child compiles its own: the parent's thread does not run in it.)
+        # (A forked child compiles its own: the parent's threads do not run in it.)
         key = (sizes, dtype, shape, device, jax.enable_x64.value, os.getpid())
         with cls._lock:
             if key not in cls._made:
@@ -157,17 +173,35 @@ def _on(device: Any) -> Iterator[None]:
         yield
 
 
-def _room_to_join(device: Any, nbytes: int) -> bool:
-    """Whether `device` has room for a tensor of `nbytes` twice (its pieces, and them
-    joined) where its runtime says how much memory it has; else the tensor is read whole
-    (once on the device)."""
+class _Room:
+    """Whether a device has room to join a tensor from its pieces: free memory (where its
+    runtime reports it) for the tensor twice (its pieces, then them joined), beyond what
+    the restore places on it before that tensor. Else the tensor is read whole (once on
+    the device), as a restore that fits the device does without spans."""
+
+    def __init__(self) -> None:
+        self._free: dict[Any, int | None] = {}  # device -> bytes free at the restore's start
+        self._placed: dict[Any, int] = {}  # device -> bytes the restore places before
+
+    def to_join(self, device: Any, nbytes: int) -> bool:
+        if device not in self._free:
+            self._free[device] = _free_bytes(device)
+        free = self._free[device]
+        return free is None or free - self._placed.get(device, 0) >= 2 * nbytes
+
+    def placed(self, device: Any, nbytes: int) -> None:
+        self._placed[device] = self._placed.get(device, 0) + nbytes
+
+
+def _free_bytes(device: Any) -> int | None:
+    """The bytes free on `device`, or None where its runtime keeps no statistics (a CPU)."""
     try:
         stats = device.memory_stats() or {}
     except Exception:  # a runtime that keeps no statistics
         stats = {}
     if "bytes_limit" not in stats or "bytes_in_use" not in stats:
-        return True
-    return stats["bytes_limit"] - stats["bytes_in_use"] >= 2 * nbytes
+        return None
+    return int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
 
 
 def _one_device(target: Any) -> Any | None:

@@ -104,22 +104,16 @@ def read_whole(
             placed.append((slot, leaf, ""))
         return placed
 
+    def place_joined(slot: Slot, joined: Any) -> Any:
+        return place(slot.kind, targets[slot.index], joined)
+
     placed_by: dict[str | Span, list[Any]] = {}  # what each unit read placed, until settled
 
     def settle_and_free(group: list[str | Span]) -> None:
         settle([leaf for unit in group for leaf in placed_by.pop(unit, [])])
         pinned.free(group)  # on their devices: the blocks they came from can be reused
 
-    # Onto an accelerator, a group's checksums are checked while its transfers run: a
-    # tensor as large as the window is otherwise read, checked, then sent, while the next
-    # one waits for its room (the checks of the parts run at once on the shared readers).
-    later = bool(
-        CHECK_WHILE_PLACING
-        and options.verify
-        and options.threaded_reads
-        and pinned.offer
-        and hasattr(reader, "verify_read")
-    )
+    later = _check_while_placing(reader, options, pinned)
     reads = windowed_reads(
         pieces.units,
         nbytes,
@@ -142,13 +136,8 @@ def read_whole(
                 placed_by[unit] = [leaf for _, leaf, problem in placed if not problem]
                 if isinstance(unit, Span):
                     _progress.advance(unit.nbytes)
-                    ((slot, piece, _),) = placed
-                    placed = []
-                    joined = pieces.add(unit, piece, available[unit.name][0])
-                    if joined is not None:
-                        placed = [
-                            _placed(slot, partial(place, slot.kind, targets[slot.index], joined))
-                        ]
+                    shape = available[unit.name][0]
+                    placed = _joined(pieces, unit, placed, shape, place_joined)
                 else:
                     _progress.advance(_saved_bytes(available[unit]))
                 for slot, leaf, problem in placed:
@@ -162,6 +151,19 @@ def read_whole(
         # block is freed once it is over.
         pinned.free(list(pinned.blocks))
     return problems
+
+
+def _check_while_placing(reader: Any, options: RestoreOptions, pinned: _PinnedBlocks) -> bool:
+    """Whether a group's checksums are checked while its transfers run (onto an accelerator):
+    a tensor as large as the window is otherwise read, checked, then sent, while the next
+    one waits for its room (the checks of the parts run at once on the shared readers)."""
+    return bool(
+        CHECK_WHILE_PLACING
+        and options.verify
+        and options.threaded_reads
+        and pinned.offer
+        and hasattr(reader, "verify_read")
+    )
 
 
 def _held_bytes(saved: tuple[tuple[int, ...], np.dtype], slots: list[Slot]) -> int:
@@ -184,15 +186,17 @@ def _plain_leaves(
     targets: list[Any],
     arenas: dict[str, _pinned.Arena],
     options: RestoreOptions,
-) -> dict[str, tuple[Any, int]]:
-    """Saved name -> (its target leaf, the most bytes of one of its spans), for each tensor
-    read into a pinned block that fills one array leaf, neither cast nor transformed:
-    those `_pieces` may read in spans and join on the device. A span takes at most one
-    group's share of the window, and of the arena (each is read into a block of it)."""
+) -> dict[str, tuple[Any, int, int]]:
+    """Saved name -> (its target leaf, the most bytes of one of its spans, the most one may
+    have to be read into the arena), for each tensor read into a pinned block that fills
+    one array leaf, neither cast nor transformed: those `_pieces` may read in spans and
+    join on the device. A span takes at most one group's share of the window, and of the
+    arena (each is read into a block of it)."""
     return {
         name: (
             targets[slots[0].index],
             min(options.host_window_bytes, arenas[name].nbytes) // GROUPS_PER_WINDOW,
+            arenas[name].nbytes // GROUPS_PER_WINDOW,
         )
         for name, slots in whole.items()
         if name in arenas
@@ -201,6 +205,20 @@ def _plain_leaves(
         and slots[0].cast is None
         and slots[0].transform is None
     }
+
+
+def _joined(
+    pieces: _pieces.Pieces,
+    span: Span,
+    placed: list[tuple[Slot, Any, str]],
+    shape: tuple[int, ...],
+    place: Callable[[Slot, Any], Any],
+) -> list[tuple[Slot, Any, str]]:
+    """What span `span`'s piece (`placed`) fills: nothing before its tensor's last piece is
+    in; then the pieces joined on the device and placed with `place(slot, joined)`."""
+    ((slot, piece, _),) = placed
+    joined = pieces.add(span, piece, shape)
+    return [] if joined is None else [_placed(slot, partial(place, slot, joined))]
 
 
 def _placed(slot: Slot, place: Callable[[], Any]) -> tuple[Slot, Any, str]:

@@ -273,7 +273,8 @@ def place(kind: LeafKind, target: Any, array: np.ndarray | jax.Array) -> Any:
     """The restored leaf for `target` from its host bytes `array` (or, for a tensor read in
     pieces, the pieces joined on the target's device): on the target's devices for an
     array target. The transfer is started, not waited for; `settle_placed` waits.
-    Called by the restore's reader threads, several at once.
+    Called by the restore's reader threads, several at once (and, for a tensor joined from
+    pieces, by the restoring thread).
     (Raises `ValueError` if `array` cannot fill `target`.)"""
     with stage("place"):
         return kind.fill(target, array)
