@@ -119,8 +119,8 @@ class _Join:
     compiled ahead as soon as a restore knows it will need it, so that the compilation (a
     large part of a restore of a second or less) runs while the first spans are read
     rather than after the last one arrives. Made once per kind in a process (`of`): the
-    compiled join stays in `jax.jit`'s cache. One compilation runs at a time in a process,
-    in the order the joins were asked for (beside the reads, not in their way)."""
+    compiled join stays in `jax.jit`'s cache. One compilation runs at a time in a process
+    (beside the reads, not in their way)."""
 
     _lock = threading.Lock()
     _made: dict[tuple[Any, ...], _Join] = {}
@@ -175,9 +175,10 @@ def _on(device: Any) -> Iterator[None]:
 
 class _Room:
     """Whether a device has room to join a tensor from its pieces: free memory (where its
-    runtime reports it) for the tensor twice (its pieces, then them joined), beyond what
-    the restore places on it before that tensor. Else the tensor is read whole (once on
-    the device), as a restore that fits the device does without spans."""
+    runtime reports it) for the tensor twice (its pieces, then them joined), beyond the
+    leaves the restore places on it before that tensor (those it may read in spans, whole
+    or not: the plain array leaves of one device). Else the tensor is read whole (once on
+    the device)."""
 
     def __init__(self) -> None:
         self._free: dict[Any, int | None] = {}  # device -> bytes free at the restore's start
