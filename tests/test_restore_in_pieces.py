@@ -14,6 +14,7 @@ import _thread
 import threading
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -100,6 +101,33 @@ def test_a_large_tensor_is_read_in_spans_and_restored_exactly(tmp_path, pieces, 
     assert sum(s.nbytes for s in spans) == state["big"].nbytes
     assert max(s.nbytes for s in spans) <= WINDOW // 4
     assert _arena_in_use() == [0]
+
+
+class _Model(eqx.Module):
+    embedding: eqx.nn.Embedding
+    norm: eqx.nn.BatchNorm
+    dropout: eqx.nn.Dropout
+    head: jax.Array
+    scale: float = eqx.field(static=True)
+
+
+def test_an_equinox_model_with_state_keys_and_a_large_embedding_restores_in_spans(tmp_path, pieces):
+    keys = jax.random.split(jax.random.key(0), 3)
+    norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(8, "batch", mode="batch")
+    model = _Model(
+        eqx.nn.Embedding(1000, 300, key=keys[0]),  # 1.2 MB: read in spans
+        norm,
+        eqx.nn.Dropout(0.1),
+        (jax.random.normal(keys[1], (300, 300)) * (1 + 1j)).astype(jnp.complex64),
+        scale=0.5,
+    )
+    tree = {"model": model, "state": state, "key": keys[2], "bf16": jnp.ones(9, jnp.bfloat16)}
+    checkpoints.save_checkpoint(tmp_path, tree, 0)
+    target = jax.tree.map(lambda x: jnp.zeros_like(x) if eqx.is_inexact_array(x) else x, tree)
+    restored = _restore_into(tmp_path, target)
+    assert bool(eqx.tree_equal(restored, tree))
+    spanned = {s.name for s in pieces if isinstance(s, Span)}
+    assert len(spanned) == 2 and all("embedding" in n or "head" in n for n in spanned)
 
 
 def _targets() -> dict[str, Any]:
