@@ -70,7 +70,7 @@ def read_whole(
     leaves, available = found.leaves, reader.arrays()
     targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
     pinned = _PinnedBlocks(reader, whole, targets)
-    # A tensor larger than one group's share of the window is read in spans, if it can be.
+    # A tensor larger than one group's share of the window (or arena) may be read in spans.
     pieces = _pieces.Pieces(
         reader, list(whole), _plain_leaves(whole, targets, pinned.arenas, options)
     )
