@@ -102,6 +102,12 @@ def span_shape(info: Any, span: Span) -> tuple[int]:
     return ((stop - start) // itemsize,)
 
 
+def span_offset(info: Any, first: int | None) -> int:
+    """The file offset of part `first` of tensor `info` (None: of the tensor itself)."""
+    parts = info.checksum
+    return info.start + (first * parts.size if first and isinstance(parts, Parts) else 0)
+
+
 def read_tensors(
     fill: Callable[[Any, np.ndarray, bool], None],
     read_into: Callable[[memoryview, int], None],
@@ -151,7 +157,7 @@ def read_tensors(
             futures.append(pending)
             has_parts = isinstance(info.checksum, Parts)
             size = info.checksum.size if has_parts and (verify or first is not None) else None
-            offset = info.start + (first or 0) * (size or 0)
+            offset = span_offset(info, first)
             large = first is not None or info.nbytes > max(SPLIT_BYTES, size or 0)
             # Asked only of a tensor that may be cut (two reads that refuse to wait, each).
             in_memory = large and (cached is None or cached(offset, len(view)))

@@ -101,12 +101,6 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return as_bytes(array) if array.nbytes else memoryview(b"")
 
 
-def _offset(info: TensorInfo, first: int | None) -> int:
-    """The file offset of part `first` of tensor `info` (None: of the tensor)."""
-    parts = info.checksum
-    return info.start + (first * parts.size if first and isinstance(parts, Parts) else 0)
-
-
 def _is_digest(x: Any) -> bool:
     return isinstance(x, str) and len(x) == DIGEST_WIDTH
 
@@ -370,20 +364,24 @@ class FileReader(ReaderBase):
         by several threads when they are large (`_part_reads`). `into(key, shape, dtype)`,
         if given, offers the buffer a tensor is read into (a pinned host buffer, see
         `pipeline._pinned`); where it gives None, the tensor gets a buffer of its own."""
-        spans = [self._key_info(key) for key in names]
+        keyed = [self._key_info(key) for key in names]
         outs = [
             buffer_for(key, shape, info.dtype, into)
-            for key, (info, shape, _) in zip(names, spans, strict=True)
+            for key, (info, shape, _) in zip(names, keyed, strict=True)
         ]
         views = [_bytes_of(out) for out in outs]
         jobs = [
             (info, out, view, first)
-            for (info, _, first), out, view in zip(spans, outs, views, strict=True)
+            for (info, _, first), out, view in zip(keyed, outs, views, strict=True)
         ]
         if not self.source.cheap_reads:
             # An object store: every range at once, so requests overlap.
             self.source.read_ranges(
-                [(view, _offset(info, first)) for info, _, view, first in jobs if len(view)]
+                [
+                    (view, _part_reads.span_offset(info, first))
+                    for info, _, view, first in jobs
+                    if len(view)
+                ]
             )
             if verify:
                 checks = [(i, v, f) for i, _, v, f in jobs]
@@ -399,7 +397,7 @@ class FileReader(ReaderBase):
                     self._fill(info, out, verify)
                     continue
                 with stage("read"):
-                    self.source.read_into(view, _offset(info, first))
+                    self.source.read_into(view, _part_reads.span_offset(info, first))
                 if verify:
                     _part_reads.verify_tensors([(info, view, first)], self.bad, parallel=False)
         return dict(zip(names, outs, strict=True))
