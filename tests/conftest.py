@@ -2,16 +2,52 @@
 
 The suites run on 8 simulated CPU devices, so the multi-device code paths run on any
 machine. Tests that start subprocesses give those their own environment.
+
+XLA compiles with most of its optimisations off (`jax_disable_most_optimizations`, as JAX's
+own test suite runs): the suites run many small programs once each, so compiling them took
+about half of their CPU time, and optimising them changes what they compute only in
+rounding, the same on both sides of every comparison a test makes. The environment
+variable carries the setting to the processes tests start; set it to 0 to test with XLA's
+optimisations on.
+
+The run-time type checking (pyproject's `--jaxtyping-packages`) checks eqx_train's module
+functions, classes and methods, not the functions defined inside a function's body: those
+are decorated anew each time their outer function runs, and generating their checkers took
+a third of the in-process suite's CPU time. None of them has an array annotation (a
+jaxtyping shape, which only a run-time check can hold), and pyright checks them.
 """
 
+import functools
+import os
 import signal
+from typing import Any
 
 import jax
 import jaxtyping
 import pytest
 
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+jax.config.update(
+    "jax_disable_most_optimizations",
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "y", "yes", "t", "true", "on"),
+)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+
+_jaxtyped = jaxtyping.jaxtyped
+_NO_FUNCTION = object()
+
+
+@functools.wraps(_jaxtyped)
+def _jaxtyped_unless_nested(fn: Any = _NO_FUNCTION, **options: Any) -> Any:
+    if fn is _NO_FUNCTION:  # `@jaxtyped(typechecker=...)`, as the import hook writes it
+        return functools.partial(_jaxtyped_unless_nested, **options)
+    if "<locals>" in getattr(fn, "__qualname__", ""):
+        return fn
+    return _jaxtyped(fn, **options)
+
+
+jaxtyping.jaxtyped = _jaxtyped_unless_nested
 
 
 @pytest.fixture

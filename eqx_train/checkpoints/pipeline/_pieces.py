@@ -51,19 +51,23 @@ class Pieces:
     or its spans in order."""
 
     def __init__(
-        self, reader: Any, names: Sequence[str], candidates: dict[str, tuple[Any, int, int]]
+        self,
+        reader: Any,
+        available: dict[str, tuple[tuple[int, ...], np.dtype]],
+        names: Sequence[str],
+        candidates: dict[str, tuple[Any, int, int]],
     ) -> None:
-        """Arguments: the restore's `reader`; the saved `names` it reads whole, in order;
-        `candidates`, saved name -> (the one target leaf it fills, the most bytes of one of
-        its spans, the most a span may have to be read into the pinned arena), for those
-        read into a pinned block with neither cast nor transform."""
+        """Arguments: the restore's `reader` and its saved arrays, `available` (name ->
+        shape and dtype); the saved `names` it reads whole, in order; `candidates`, saved
+        name -> (the one target leaf it fills, the most bytes of one of its spans, the most
+        a span may have to be read into the pinned arena), for those read into a pinned block
+        with neither cast nor transform."""
         self.units: list[str | Span] = []
         self._devices: dict[str, Any] = {}  # saved name -> the one device its leaf is on
         self._arrived: dict[str, list[Any]] = {}
         self._count: dict[str, int] = {}
         self._joins: dict[str, _Join] = {}
         spans_of = getattr(reader, "spans", None)
-        available = reader.arrays() if candidates and spans_of is not None else {}
         room = _Room()
         for name in names:
             spans, device = None, None

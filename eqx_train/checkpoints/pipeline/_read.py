@@ -71,9 +71,8 @@ def read_whole(
     targets = list(leaves)  # read by the threads that place; the caller fills `leaves`
     pinned = _PinnedBlocks(reader, whole, targets)
     # A tensor larger than one group's share of the window (or arena) may be read in spans.
-    pieces = _pieces.Pieces(
-        reader, list(whole), _plain_leaves(whole, targets, pinned.arenas, options)
-    )
+    candidates = _plain_leaves(whole, targets, pinned.arenas, options)
+    pieces = _pieces.Pieces(reader, available, list(whole), candidates)
 
     def nbytes(unit: str | Span) -> int:
         return unit.nbytes if isinstance(unit, Span) else _held_bytes(available[unit], whole[unit])
