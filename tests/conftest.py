@@ -4,11 +4,12 @@ The suites run on 8 simulated CPU devices, so the multi-device code paths run on
 machine. Tests that start subprocesses give those their own environment.
 
 XLA compiles with most of its optimisations off (`jax_disable_most_optimizations`, as JAX's
-own test suite runs): the suites run many small programs once each, so compiling them took
-about half of their CPU time, and optimising them changes what they compute only in
+own test suite runs) and with XLA:CPU's older code emitters (`QUICK_XLA_FLAGS`), which
+compile a small program in half the time: the suites run many small programs once each, so
+compiling them took most of their CPU time, and both change what a program computes only in
 rounding, the same on both sides of every comparison a test makes. The environment
-variable carries the setting to the processes tests start; set it to 0 to test with XLA's
-optimisations on.
+(`JAX_DISABLE_MOST_OPTIMIZATIONS`, `XLA_FLAGS`) carries both to the processes tests start;
+set `JAX_DISABLE_MOST_OPTIMIZATIONS=0` to test with XLA's defaults instead.
 
 The run-time type checking (pyproject's `--jaxtyping-packages`) checks eqx_train's module
 functions, classes and methods, not the functions defined inside a function's body: those
@@ -20,17 +21,41 @@ jaxtyping shape, which only a run-time check can hold), and pyright checks them.
 import functools
 import os
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import jax
 import jaxtyping
 import pytest
 
+QUICK_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+"""XLA flags for quick compilation, added to `XLA_FLAGS` where this XLA knows them (it aborts
+the process on a flag it does not know, so a release that drops one must not break the
+suites)."""
+
+
+def _xla_knows(flags: tuple[str, ...]) -> bool:
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    check = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(check, env=env, capture_output=True, timeout=120).returncode == 0
+
+
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-jax.config.update(
-    "jax_disable_most_optimizations",
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "y", "yes", "t", "true", "on"),
+_QUICK = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in (
+    "1",
+    "y",
+    "yes",
+    "t",
+    "true",
+    "on",
 )
+jax.config.update("jax_disable_most_optimizations", _QUICK)
+_xla_flags = os.environ.get("XLA_FLAGS", "").split()
+_missing = tuple(f for f in QUICK_XLA_FLAGS if f.split("=")[0] not in " ".join(_xla_flags))
+if _QUICK and _missing and _xla_knows(_missing):
+    # Before JAX starts its CPU backend, which reads XLA_FLAGS once.
+    os.environ["XLA_FLAGS"] = " ".join([*_xla_flags, *_missing])
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 

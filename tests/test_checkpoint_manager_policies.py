@@ -17,7 +17,7 @@ from eqx_train.checkpoints import CheckpointManager
 from eqx_train.checkpoints._errors import call
 from eqx_train.checkpoints.manager import _manager
 from eqx_train.checkpoints.pipeline import _coordination
-from tests.support.helpers import ROOT, SUPPORT, latest_path
+from tests.support.helpers import ROOT, SUPPORT, latest_path, xla_flags
 
 WORKER = os.path.join(SUPPORT, "policies_worker.py")
 
@@ -388,7 +388,7 @@ def test_a_manager_reopened_after_all_closed_installs_the_handler_again(tmp_path
 
 
 def _start_worker(directory, steps):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, WORKER, str(directory), str(steps)],

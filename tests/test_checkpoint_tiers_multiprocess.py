@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support.helpers import ROOT, SUPPORT, flip_last_byte, free_port, run_processes
+from tests.support.helpers import SUPPORT, flip_last_byte, free_port, run_processes, worker_env
 
 WORKER = os.path.join(SUPPORT, "tiers_worker.py")
 TIMEOUT_S = 240
@@ -22,8 +22,7 @@ def _run_job(mode, base, count=COUNT, killed=(), ended=()):
     `killed`, which must die of SIGKILL, and those in `ended`, which must fail (any way).
     Returns each process's output."""
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env = worker_env()
     results = run_processes(
         [
             ([sys.executable, WORKER, mode, str(i), str(count), port, str(base)], env)

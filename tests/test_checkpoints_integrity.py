@@ -23,7 +23,7 @@ from eqx_train import checkpoints
 from eqx_train.checkpoints import CheckpointFormatError, CheckpointManager
 from eqx_train.checkpoints.format import _format, _reader
 from eqx_train.checkpoints.pipeline import _restore
-from tests.support.helpers import assert_trees_equal, latest_path
+from tests.support.helpers import assert_trees_equal, latest_path, xla_flags
 
 # ---------------------------------------------------------------- helpers
 
@@ -698,7 +698,9 @@ def test_the_package_never_imports_safetensors():
         "import sys, eqx_train, eqx_train.checkpoints, eqx_train.checkpoints._api\n"
         "assert 'safetensors' not in sys.modules, 'safetensors imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "XLA_FLAGS": ""})
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env={**os.environ, "XLA_FLAGS": xla_flags()}
+    )
 
 
 def test_sharded_checkpoint_pieces_are_verified(tmp_path):

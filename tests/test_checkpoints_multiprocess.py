@@ -9,7 +9,7 @@ from typing import cast
 
 import pytest
 
-from tests.support.helpers import ROOT, SUPPORT, free_port, run_processes
+from tests.support.helpers import SUPPORT, free_port, run_processes, worker_env
 
 WORKER = os.path.join(SUPPORT, "multiprocess_worker.py")
 TIMEOUT_S = 90
@@ -21,9 +21,7 @@ def _run_job(mode, count, *dirs, expected_exit=None, extra_env=None):
     process's output."""
     expected_exit = expected_exit or {}
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(extra_env or {})
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env = worker_env(**(extra_env or {}))
     argv = [sys.executable, WORKER, mode]
     results = run_processes(
         [([*argv, str(i), str(count), port, *map(str, dirs)], env) for i in range(count)],

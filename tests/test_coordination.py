@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from eqx_train.checkpoints.pipeline import _coordination as co
-from tests.support.helpers import ROOT, SUPPORT, free_port, run_processes
+from tests.support.helpers import SUPPORT, free_port, run_processes, worker_env
 
 WORKER = os.path.join(SUPPORT, "coordination_worker.py")
 TIMEOUT_S = 60
@@ -21,8 +21,7 @@ TIMEOUT_S = 60
 def _run_pair(mode):
     """Runs the 2 processes of `mode`; returns [(returncode, output), ...] by process."""
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env = worker_env()
     return run_processes(
         [([sys.executable, WORKER, mode, str(i), port], env) for i in range(2)], TIMEOUT_S
     )

@@ -10,7 +10,7 @@ from typing import cast
 import numpy as np
 import pytest
 
-from tests.support.helpers import free_port, run_processes
+from tests.support.helpers import free_port, run_processes, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -53,8 +53,7 @@ jax.distributed.shutdown()
 @pytest.mark.slow
 def test_multi_host_page_saves_and_reshards_across_two_processes(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(
+    env = worker_env(
         COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", NUM_PROCESSES="2", CKPT_DIR=str(ckpt_dir)
     )
     results = run_processes(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
+from tests.support.helpers import xla_flags
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_digits.py")
 FAST = [
@@ -37,7 +38,7 @@ FAST = [
 def _run(workdir, *extra):
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": xla_flags(8),
         "JAX_PLATFORMS": "cpu",
     }
     result = subprocess.run(

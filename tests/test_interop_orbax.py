@@ -22,12 +22,12 @@ from eqx_train import TrainState
 from eqx_train.checkpoints import CheckpointFormatError
 from eqx_train.interop import load_orbax_checkpoint
 from tests.support.helpers import (
-    ROOT,
     SUPPORT,
     assert_identical,
     assert_trees_equal,
     free_port,
     run_processes,
+    worker_env,
 )
 from tests.support.orbax_values import two_process_values
 
@@ -236,8 +236,7 @@ def test_a_single_default_item_needs_no_item_name(tmp_path):
 @pytest.mark.slow
 def test_reads_a_two_process_orbax_save_bit_for_bit(tmp_path):
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env = worker_env()
     results = run_processes(
         [([sys.executable, WORKER, str(i), "2", port, str(tmp_path)], env) for i in range(2)],
         120,

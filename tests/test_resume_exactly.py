@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from eqx_train import checkpoints
-from tests.support.helpers import assert_trees_equal
+from tests.support.helpers import assert_trees_equal, xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ STEPS, KILL_AT, LAST_GOOD = 12, 8, 6
 
 
 def _worker(*args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, "-m", "tests.support.resume_worker", *map(str, args)],

@@ -18,7 +18,9 @@ import threading
 import time
 
 mode, me, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

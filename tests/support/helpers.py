@@ -19,6 +19,27 @@ SUPPORT = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(SUPPORT))
 """The repository root, which a worker needs on its PYTHONPATH to import `tests.support`."""
 
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(device_count: int | None = None) -> str:
+    """`XLA_FLAGS` for a process a test starts: the suite's (tests/conftest.py's quick
+    compilation), with `device_count` simulated CPU devices, or XLA's one by default."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if _DEVICE_COUNT_FLAG not in f]
+    if device_count is not None:
+        kept.append(f"{_DEVICE_COUNT_FLAG}={device_count}")
+    return " ".join(kept)
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a worker process: this one's, with `ROOT` on its PYTHONPATH, the
+    suite's `xla_flags()` and no platform chosen (a worker picks its own platform and device
+    count, appending the count to `XLA_FLAGS`), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = xla_flags()
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
 
 def latest_path(directory: Any, **kwargs: Any) -> str:
     """`checkpoints.latest_checkpoint(directory, **kwargs)` where the test has saved one: its
@@ -96,7 +117,7 @@ def run_then_sigkill(script: str, argument: str, *, after_line: int, delay: floa
     import sys
     import time
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     process = subprocess.Popen(
         [sys.executable, "-c", script, argument], stdout=subprocess.PIPE, env=env, text=True
     )

@@ -19,7 +19,9 @@ mode, pid, count, port, directory = (
 other = sys.argv[6] if len(sys.argv) > 6 else None
 # The replica-parallel modes ("rp_..."): one device per process, as one host per process.
 local_devices = 1 if mode.startswith("rp_") else 8 if count == 1 else 2
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={local_devices}"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

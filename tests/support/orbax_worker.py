@@ -11,7 +11,9 @@ import os
 import sys
 
 pid, count, port, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

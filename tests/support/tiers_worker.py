@@ -20,7 +20,9 @@ mode, pid, count, port, base = (
     sys.argv[4],
     sys.argv[5],
 )
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
