@@ -35,11 +35,20 @@ FAST = [
 ]
 
 
-def _run(workdir, *extra):
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """A compilation cache the module's runs of the example share: they compile the same
+    programs, and a run is never killed, so no entry is left half written."""
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+def _run(workdir, *extra, cache):
     env = {
         **os.environ,
         "XLA_FLAGS": xla_flags(8),
         "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
     result = subprocess.run(
         [sys.executable, "-W", "error", EXAMPLE, "--workdir", str(workdir), *FAST, *extra],
@@ -75,12 +84,12 @@ def _flatten(tree, prefix=""):
 
 
 @pytest.fixture(scope="module")
-def mesh_stopped_after_one_epoch(tmp_path_factory):
+def mesh_stopped_after_one_epoch(tmp_path_factory, xla_cache):
     """A workdir where the mesh mode trained epoch 0 and stopped (`--stop-after 1`), and
     what it printed: a start both the resume test and the mode-switch test continue from
     (each on its own copy), run once."""
     workdir = tmp_path_factory.mktemp("mesh-stopped") / "work"
-    return workdir, _run(workdir, "--parallel", "mesh", "--stop-after", "1")
+    return workdir, _run(workdir, "--parallel", "mesh", "--stop-after", "1", cache=xla_cache)
 
 
 def _copy_of(stopped, tmp_path):
@@ -92,11 +101,11 @@ def _copy_of(stopped, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["mesh", "pmap"])
 def test_example_trains_plots_checkpoints_and_resumes_exactly(
-    tmp_path, parallel, mesh_stopped_after_one_epoch
+    tmp_path, parallel, mesh_stopped_after_one_epoch, xla_cache
 ):
     mode = ["--parallel", parallel]
     straight = tmp_path / "straight"
-    out = _run(straight, *mode)
+    out = _run(straight, *mode, cache=xla_cache)
     assert f"parallel: {parallel} over 8 cpu devices" in out
     # 3 short epochs (0.917 in both modes when written); the full run reaches >= 0.95.
     assert _test_accuracy(out) > 0.8
@@ -110,9 +119,9 @@ def test_example_trains_plots_checkpoints_and_resumes_exactly(
         resumed, first = _copy_of(mesh_stopped_after_one_epoch, tmp_path)
     else:
         resumed = tmp_path / "resumed"
-        first = _run(resumed, *mode, "--stop-after", "1")
+        first = _run(resumed, *mode, "--stop-after", "1", cache=xla_cache)
     assert "stopping after 1 epoch(s)" in first and "test accuracy" not in first
-    second = _run(resumed, *mode)
+    second = _run(resumed, *mode, cache=xla_cache)
     assert "resuming from" in second and "at epoch 1" in second
     _test_accuracy(second)
 
@@ -128,7 +137,9 @@ def test_example_trains_plots_checkpoints_and_resumes_exactly(
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_mesh_and_pmap_modes(tmp_path, mesh_stopped_after_one_epoch):
+def test_checkpoints_move_between_mesh_and_pmap_modes(
+    tmp_path, mesh_stopped_after_one_epoch, xla_cache
+):
     # mesh writes epoch 0; pmap resumes from it and trains epochs 1-2; mesh then resumes
     # from pmap's final checkpoint (nothing left to train) and must score the same weights
     # exactly as pmap did.
@@ -137,7 +148,7 @@ def test_checkpoints_move_between_mesh_and_pmap_modes(tmp_path, mesh_stopped_aft
     saved_epoch_0 = dict(_flatten(_final_state(workdir)[0]))
     shutil.copytree(workdir / "checkpoints", tmp_path / "epoch0")
 
-    by_pmap = _run(workdir, "--parallel", "pmap")
+    by_pmap = _run(workdir, "--parallel", "pmap", cache=xla_cache)
     assert "resuming from" in by_pmap and "at epoch 1" in by_pmap
     pmap_accuracy = _test_accuracy(by_pmap)
     assert pmap_accuracy > 0.8
@@ -147,7 +158,7 @@ def test_checkpoints_move_between_mesh_and_pmap_modes(tmp_path, mesh_stopped_aft
         trained["model.layers.0.weight"], saved_epoch_0["model.layers.0.weight"]
     )
 
-    by_mesh = _run(workdir, "--parallel", "mesh")
+    by_mesh = _run(workdir, "--parallel", "mesh", cache=xla_cache)
     assert "resuming from" in by_mesh and "at epoch 3" in by_mesh
     assert _test_accuracy(by_mesh) == pmap_accuracy
 

@@ -153,12 +153,9 @@ def free_port() -> int:
 def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list:
     """Starts every `(argv, env)` at once (peers of one job), waits for all, and returns
     `(returncode, combined output)` for each; never leaves a straggler running."""
-    import subprocess
+    from tests.support.fork_server import spawn
 
-    processes = [
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for argv, env in commands
-    ]
+    processes = [spawn(argv, env, peer) for peer, (argv, env) in enumerate(commands)]
     outputs = []
     try:
         for process in processes:
