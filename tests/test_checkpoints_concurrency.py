@@ -13,7 +13,6 @@ distinct versions (so the race was really run).
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
+from tests.support.fork_server import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -156,15 +156,7 @@ def race(tmp_path, roles, *, overwrite, steps="parity"):
             args = {"dir": str(ckpt_dir), "go": str(go), "role": role, "writer": writer}
             args |= {"overwrite": overwrite, "steps": steps, "latest_s": LATEST_S}
             args |= {"reader": "reader" in roles, "stop": str(tmp_path / "stop")}
-            children.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", CHILD, json.dumps(args)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    env=env,
-                )
-            )
+            children.append(spawn([sys.executable, "-c", CHILD, json.dumps(args)], env, writer))
         for child in children:
             line = child.stdout.readline()
             assert line.strip() == "READY", line + child.stdout.read()[-3000:]

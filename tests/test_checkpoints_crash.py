@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from eqx_train import checkpoints
+from tests.support.fork_server import spawn
 from tests.support.helpers import assert_trees_equal
 
 pytestmark = pytest.mark.slow
@@ -137,13 +138,7 @@ def kill_child_mid_save(ckpt_dir, mode, *, prefix="checkpoint_", **hook) -> tupl
     args = json.dumps({"dir": str(ckpt_dir), "mode": mode, "prefix": prefix, **hook})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    child = spawn([sys.executable, "-c", CHILD, args], env)
     try:
         out, _ = child.communicate(timeout=120)
     finally:
