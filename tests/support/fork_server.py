@@ -191,7 +191,9 @@ class ForkedProcess:
             try:
                 self._receive()
             except TimeoutError:
-                raise subprocess.TimeoutExpired(["fork server", str(self.pid)], timeout) from None
+                raise subprocess.TimeoutExpired(
+                    ["fork server", str(self.pid)], timeout or 0.0
+                ) from None
         assert self.returncode is not None
         return self.returncode
 
@@ -212,7 +214,7 @@ class ForkedProcess:
             self._reader.start()
         self._reader.join(timeout)
         if self._reader.is_alive():
-            raise subprocess.TimeoutExpired(["fork server", str(self.pid)], timeout)
+            raise subprocess.TimeoutExpired(["fork server", str(self.pid)], timeout or 0.0)
         self.wait(timeout)
         self.stdout.close()
         return self._output, None
