@@ -95,6 +95,8 @@ def test_a_worker_that_runs_too_long_times_out_and_is_killed():
     [
         (["-m", "json.tool", "--help"], {}),  # not a script or -c: Popen
         (["-c", "print('x')"], {"JAX_ENABLE_X64": "1"}),  # JAX reads it on import: Popen
+        (["-c", "print('x')"], {"JAX_PLATFORMS": "cuda"}),  # the server's JAX is on CPU
+        (["-c", "print('x')"], {"PYTHONHASHSEED": "7"}),  # the servers have their own
     ],
 )
 def test_what_the_server_cannot_do_alike_runs_as_a_new_process(argv_tail, env_extra):
@@ -109,3 +111,42 @@ def test_peers_of_a_job_disagree_on_string_hashes_as_new_processes_do():
     results = run_processes([([sys.executable, "-c", code], worker_env())] * 2, 60)
     assert all(returncode == 0 for returncode, _ in results), results
     assert results[0][1] != results[1][1]
+
+
+def test_the_servers_exit_when_the_process_that_started_them_is_killed():
+    code = (
+        "import sys, time\n"
+        "from tests.support import fork_server\n"
+        "from tests.support.helpers import worker_env\n"
+        "fork_server.spawn([sys.executable, '-c', 'pass'], worker_env()).communicate(60)\n"
+        "print(*[s.process.pid for s in fork_server._servers], flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=worker_env()
+    )
+    try:
+        assert parent.stdout is not None
+        servers = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(servers) == 2 and all(os.path.exists(f"/proc/{pid}") for pid in servers)
+        parent.kill()  # no atexit: only the servers' closed stdin tells them
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in servers)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+
+
+def _alive(pid):
+    """Running, as opposed to gone or a zombie waiting for its reaper (here, init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

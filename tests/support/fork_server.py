@@ -36,7 +36,9 @@ _PRELOADED = ("jax", "jax.numpy", "numpy", "equinox", "optax", "eqx_train.checkp
 
 
 def _jax_variables(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith("JAX_") and k != "JAX_PLATFORMS"}
+    """What JAX reads as it is imported; no platform named counts as CPU, which the workers
+    name themselves before importing JAX."""
+    return {"JAX_PLATFORMS": "cpu"} | {k: v for k, v in env.items() if k.startswith("JAX_")}
 
 
 # ---------------------------------------------------------------- the server
@@ -275,8 +277,8 @@ def spawn(argv: list[str], env: dict[str, str], peer: int = 0) -> Any:
         and "PYTHONHASHSEED" not in env
     )
     if forkable and not _servers:
-        first = secrets.randbelow(2**32 - 2) + 1
-        _servers.extend(_Server(seed) for seed in (first, first % (2**32 - 1) + 1))
+        first = secrets.randbelow(2**32 - 2) + 1  # PYTHONHASHSEED: 1 to 2**32 - 1
+        _servers.extend(_Server(seed) for seed in (first, first + 1))
     server = _servers[peer % len(_servers)] if _servers else None
     if not forkable or server is None or _jax_variables(env) != server.jax_variables:
         return subprocess.Popen(
